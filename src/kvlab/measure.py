@@ -1,0 +1,200 @@
+"""Measuring what the cache holds, how much memory a step takes, and how long it takes.
+
+- `cache_inventory` / `cache_tensor_bytes`: every tensor a transformers `Cache` object keeps, and their bytes.
+- `MemoryTracker`: CUDA allocator statistics on a GPU; on CPU, accounting of every tensor storage created inside
+  the block (a `TorchDispatchMode` sees each aten op's outputs, and weak references see them freed).
+- `time_call` / `Timer`: CUDA events on a GPU, `perf_counter` on CPU.
+- `percentiles`: the one percentile helper (nearest-rank-free, linear interpolation as numpy does).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from kvlab.env import pick_device
+
+
+@dataclass(frozen=True)
+class CacheTensor:
+    layer: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int  # numel × element size of this tensor (a view counts only what it shows)
+    storage_nbytes: int  # bytes of the storage behind it (can exceed nbytes for a sliced view)
+    is_state: bool  # True for the K/V states; False for bookkeeping such as a window-size scalar
+
+
+_STATE_NAMES = ("keys", "values")
+
+
+def _layers(cache: Any) -> list[Any]:
+    if hasattr(cache, "layers"):
+        return list(cache.layers)
+    if isinstance(cache, (tuple, list)):  # legacy tuple-of-(k, v) format
+        return [dict(keys=kv[0], values=kv[1]) for kv in cache]
+    raise TypeError(f"cannot read a cache of type {type(cache).__name__}; expected a transformers Cache")
+
+
+def cache_inventory(cache: Any) -> list[CacheTensor]:
+    """Every tensor the cache object keeps, layer by layer, with shape, dtype and bytes."""
+    rows = []
+    for index, layer in enumerate(_layers(cache)):
+        attributes = layer if isinstance(layer, dict) else vars(layer)
+        for name, value in attributes.items():
+            if isinstance(value, torch.Tensor) and value.device.type != "meta":
+                rows.append(CacheTensor(
+                    layer=index, name=name, shape=tuple(value.shape), dtype=value.dtype,
+                    nbytes=value.numel() * value.element_size(),
+                    storage_nbytes=value.untyped_storage().nbytes(),
+                    is_state=name in _STATE_NAMES,
+                ))
+    return rows
+
+
+def cache_tensor_bytes(cache: Any, storage: bool = False) -> int:
+    """Bytes of the K/V state tensors a cache holds.
+
+    `storage=True` counts the storages behind them instead: a sliding-window layer's tensor can be a view into a
+    larger buffer until the next update, so the allocator can hold more than the cache logically needs.
+    """
+    rows = [row for row in cache_inventory(cache) if row.is_state]
+    if not storage:
+        return sum(row.nbytes for row in rows)
+    # Shared storages (K and V cut from one buffer) are counted once.
+    seen: dict[tuple[int, int], int] = {}
+    for layer in _layers(cache):
+        for name in _STATE_NAMES:
+            tensor = layer[name] if isinstance(layer, dict) else getattr(layer, name, None)
+            if isinstance(tensor, torch.Tensor):
+                st = tensor.untyped_storage()
+                seen[(st.data_ptr(), st.nbytes())] = st.nbytes()
+    return sum(seen.values())
+
+
+class _TensorAccounting(TorchDispatchMode):
+    """Counts live bytes of tensor storages created while active (CPU stand-in for allocator statistics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _sweep(self) -> None:
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            self.current -= self.live.pop(key)[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._sweep()
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                storage = tensor.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self.live and storage.nbytes():
+                    self.live[key] = (StorageWeakRef(storage), storage.nbytes())
+                    self.current += storage.nbytes()
+                    self.peak = max(self.peak, self.current)
+        return out
+
+
+@dataclass
+class MemoryTracker:
+    """Peak and retained bytes of what a block allocates.
+
+    On CUDA: from the caching allocator (`max_memory_allocated`), relative to the start of the block.
+    On CPU: from accounting of every tensor storage the block creates.
+    """
+
+    device: str | torch.device | None = None
+    peak_bytes: int = 0
+    retained_bytes: int = 0
+    _start: int = field(default=0, repr=False)
+    _mode: _TensorAccounting | None = field(default=None, repr=False)
+
+    def __enter__(self) -> MemoryTracker:
+        self.device = pick_device(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._mode = _TensorAccounting()
+            self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._start
+            self.retained_bytes = torch.cuda.memory_allocated(self.device) - self._start
+        else:
+            self._mode.__exit__(*exc)
+            self._mode._sweep()
+            self.peak_bytes, self.retained_bytes = self._mode.peak, self._mode.current
+
+
+def synchronize(device: str | torch.device | None = None) -> None:
+    device = pick_device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(
+    fn: Callable[[], Any], device: str | torch.device | None = None, repeat: int = 5, warmup: int = 1
+) -> list[float]:
+    """Seconds per call of `fn`, `repeat` times after `warmup` calls (CUDA events on GPU)."""
+    if repeat < 1 or warmup < 0:
+        raise ValueError(f"repeat must be >= 1 and warmup >= 0, got {repeat}, {warmup}")
+    device = pick_device(device)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        with Timer(device) as timer:
+            fn()
+        times.append(timer.seconds)
+    return times
+
+
+@dataclass
+class Timer:
+    """Wall time of a block; on CUDA measured between events on the current stream."""
+
+    device: str | torch.device | None = None
+    seconds: float = 0.0
+
+    def __enter__(self) -> Timer:
+        self.device = pick_device(self.device)
+        if self.device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        else:
+            self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            self._events[1].record()
+            self._events[1].synchronize()
+            self.seconds = self._events[0].elapsed_time(self._events[1]) / 1e3
+        else:
+            self.seconds = time.perf_counter() - self._t0
+
+
+def percentiles(values: Iterable[float], qs: Sequence[float] = (50, 95, 99)) -> dict[str, float]:
+    """{"p50": ..., "p95": ..., "p99": ...} with numpy's linear interpolation. Empty input is an error."""
+    data = np.asarray(list(values), dtype=float)
+    if data.size == 0:
+        raise ValueError("percentiles of an empty sequence are undefined")
+    return {f"p{q:g}": float(np.percentile(data, q)) for q in qs}

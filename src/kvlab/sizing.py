@@ -1,0 +1,153 @@
+"""How many bytes the KV cache and the weights take, exactly.
+
+Per token and layer the cache holds K and V: ``2 × kv_heads × head_dim`` elements (MLA holds one latent of
+``kv_lora_rank + qk_rope_head_dim`` instead). Summed over layers and multiplied by the bytes per element and the
+active tokens, this is the whole cache. Sliding-window layers stop growing at ``window - 1`` tokens.
+`kv_cache_bytes` equals, to the byte, the tensors a transformers 5.24 `DynamicCache` holds; the tests prove it.
+Chapter: *Sizing the cache* (book/02_sizing).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+from transformers import PretrainedConfig
+
+from kvlab.arch import ArchSpec, describe, get_config
+
+DType = torch.dtype | str | None
+
+# Bytes per element. fp8/int8 caches also keep small per-block scales; those are not counted here.
+_DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
+
+
+def dtype_bytes(dtype: DType) -> int:
+    """Bytes per element of a torch dtype or one of "fp32", "fp16", "bf16", "fp8", "int8"."""
+    if isinstance(dtype, torch.dtype):
+        return dtype.itemsize
+    if isinstance(dtype, str) and dtype.lower() in _DTYPE_BYTES:
+        return _DTYPE_BYTES[dtype.lower()]
+    raise ValueError(f"unknown dtype {dtype!r}; use a torch dtype or one of {sorted(set(_DTYPE_BYTES))}")
+
+
+def _config_dtype(config: PretrainedConfig) -> DType:
+    """The dtype a config declares, else bf16 (what serving stacks default to for these models)."""
+    declared = getattr(config.get_text_config(decoder=True), "dtype", None) or getattr(config, "dtype", None)
+    return declared if declared is not None else "bf16"
+
+
+def _spec_and_bytes(config: PretrainedConfig | str, dtype: DType) -> tuple[ArchSpec, int]:
+    config = get_config(config) if isinstance(config, str) else config
+    return describe(config), dtype_bytes(_config_dtype(config) if dtype is None else dtype)
+
+
+def _check_count(name: str, value: int, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def kv_bytes_per_token(config: PretrainedConfig | str, dtype: DType = None) -> int:
+    """Bytes one more token adds to one sequence's cache at short context (every layer still growing)."""
+    spec, nbytes = _spec_and_bytes(config, dtype)
+    return sum(layer.elements_per_token for layer in spec.layers) * nbytes
+
+
+def kv_bytes_per_token_expanded(config: PretrainedConfig | str, dtype: DType = None) -> int:
+    """Per-token bytes if every layer kept per-head K and V (for MLA: what the latent replaces)."""
+    spec, nbytes = _spec_and_bytes(config, dtype)
+    return sum(layer.expanded_elements_per_token for layer in spec.layers if layer.kind != "none") * nbytes
+
+
+def kv_cache_bytes(
+    config: PretrainedConfig | str, seq_len: int, batch_size: int = 1, dtype: DType = None
+) -> int:
+    """Bytes a transformers `DynamicCache` holds after a forward over `batch_size` sequences of `seq_len` tokens.
+
+    `dtype=None` takes the config's declared dtype (bf16 when it declares none).
+    """
+    _check_count("seq_len", seq_len, 0)
+    _check_count("batch_size", batch_size)
+    spec, nbytes = _spec_and_bytes(config, dtype)
+    return batch_size * nbytes * sum(layer.tokens_kept(seq_len) * layer.elements_per_token for layer in spec.layers)
+
+
+def max_tokens_for_budget(config: PretrainedConfig | str, budget_bytes: int, dtype: DType = None) -> int:
+    """How many full-attention tokens (summed over sequences) fit in `budget_bytes` of KV memory."""
+    per_token = kv_bytes_per_token(config, dtype)
+    return int(budget_bytes // per_token) if per_token else 0
+
+
+def max_sequences(
+    config: PretrainedConfig | str, budget_bytes: int, context_len: int, dtype: DType = None
+) -> int:
+    """How many sequences of `context_len` tokens fit in `budget_bytes` of KV memory."""
+    per_seq = kv_cache_bytes(config, _check_count("context_len", context_len), 1, dtype)
+    return int(budget_bytes // per_seq) if per_seq else 0
+
+
+@lru_cache(maxsize=64)
+def _param_count(config_json: str, model_type: str) -> int:
+    import json
+
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    fields = json.loads(config_json)
+    fields.pop("model_type", None)
+    config = AutoConfig.for_model(model_type, **fields)
+    with torch.device("meta"):
+        try:
+            model = AutoModelForCausalLM.from_config(config)
+        except ValueError:  # e.g. image-text configs with no causal-LM head class registered
+            model = AutoModel.from_config(config)
+    # Tied embeddings are one tensor; parameters() already yields it once.
+    return sum(p.numel() for p in model.parameters())
+
+
+def param_count(config: PretrainedConfig | str) -> int:
+    """Parameters of the model a config describes, counted on the `meta` device (nothing is allocated)."""
+    config = get_config(config) if isinstance(config, str) else config
+    return _param_count(config.to_json_string(use_diff=False), config.model_type)
+
+
+def weight_bytes(config: PretrainedConfig | str, dtype_or_bits: DType | int = None) -> int:
+    """Bytes of the weights: parameters × bytes per element, or × bits / 8 for an int (e.g. 4 for 4-bit).
+
+    Quantization scales and zero points are not counted, so this is the floor a quantized checkpoint reaches.
+    """
+    params = param_count(config)
+    if isinstance(dtype_or_bits, int) and not isinstance(dtype_or_bits, bool):
+        if dtype_or_bits not in (1, 2, 3, 4, 5, 6, 8, 16, 32):
+            raise ValueError(f"weight bits must be one of 1-6, 8, 16 or 32, got {dtype_or_bits}")
+        return math.ceil(params * dtype_or_bits / 8)
+    config = get_config(config) if isinstance(config, str) else config
+    return params * dtype_bytes(_config_dtype(config) if dtype_or_bits is None else dtype_or_bits)
+
+
+def crossover_context(
+    config: PretrainedConfig | str, batch_size: int = 1, dtype: DType = None, weight_dtype: DType | int = None
+) -> int | None:
+    """Smallest context at which `batch_size` sequences' cache reaches the weights' bytes; None if never.
+
+    Sliding-window layers stop growing, so a model whose every layer slides may never get there.
+    """
+    _check_count("batch_size", batch_size)
+    target = weight_bytes(config, weight_dtype)
+    spec, _ = _spec_and_bytes(config, dtype)
+    if not any(layer.kind in ("full", "mla") for layer in spec.layers):
+        longest = max((layer.window - 1 for layer in spec.layers if layer.kind == "sliding"), default=0)
+        if kv_cache_bytes(config, longest, batch_size, dtype) < target:
+            return None
+    # kv_cache_bytes is non-decreasing in seq_len: bisect.
+    lo, hi = 0, 1
+    while kv_cache_bytes(config, hi, batch_size, dtype) < target:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if kv_cache_bytes(config, mid, batch_size, dtype) >= target:
+            hi = mid
+        else:
+            lo = mid
+    return hi

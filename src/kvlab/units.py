@@ -1,0 +1,41 @@
+"""Reading and writing sizes the way people type them: 32k tokens, 1.5 GiB."""
+
+from __future__ import annotations
+
+_TOKEN_SCALE = {"k": 1024, "m": 1024 * 1024}
+
+
+def parse_tokens(text: str | int) -> int:
+    """'32k' -> 32768, '1m' -> 1048576, '4096' -> 4096. Zero, negatives and malformed text are errors."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        raw = str(text).strip().lower()
+        scale = _TOKEN_SCALE.get(raw[-1:], 1)
+        digits = raw[:-1] if scale != 1 else raw
+        if not digits.isdigit():
+            raise ValueError(f"cannot read {text!r} as a token count; use e.g. 4096, 32k or 1m")
+        value = int(digits) * scale
+    if value <= 0:
+        raise ValueError(f"a token count must be positive, got {text!r}")
+    return value
+
+
+def format_bytes(n: float, digits: int = 3) -> str:
+    """Binary units: 1536 -> '1.5 KiB'. Keeps `digits` significant digits."""
+    if n < 0:
+        return "-" + format_bytes(-n, digits)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.{digits}g} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_tokens(n: int) -> str:
+    """4096 -> '4k', 131072 -> '128k', 1000 -> '1000'."""
+    if n >= 1024 * 1024 and n % (1024 * 1024) == 0:
+        return f"{n // (1024 * 1024)}M"
+    if n >= 1024 and n % 1024 == 0:
+        return f"{n // 1024}k"
+    return str(n)
