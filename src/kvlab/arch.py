@@ -11,6 +11,8 @@ Chapter: *Sizing the cache* (book/02_sizing).
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -39,123 +41,400 @@ def _hf(name: str) -> str:
 # read on the dates the models were published; gated repositories (Llama) show the same file after sign-in.
 _REGISTRY: dict[str, tuple[str, dict[str, Any]]] = {
     # Llama 2 (Touvron et al., 2023, arXiv:2307.09288), config.json of each checkpoint.
-    "meta-llama/Llama-2-7b-hf": ("llama", dict(
-        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, dtype="float16")),
-    "meta-llama/Llama-2-13b-hf": ("llama", dict(
-        hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
-        num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, dtype="float16")),
-    "meta-llama/Llama-2-70b-hf": ("llama", dict(
-        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, dtype="float16")),
+    "meta-llama/Llama-2-7b-hf": (
+        "llama",
+        dict(
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            vocab_size=32000,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            dtype="float16",
+        ),
+    ),
+    "meta-llama/Llama-2-13b-hf": (
+        "llama",
+        dict(
+            hidden_size=5120,
+            intermediate_size=13824,
+            num_hidden_layers=40,
+            num_attention_heads=40,
+            num_key_value_heads=40,
+            vocab_size=32000,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            dtype="float16",
+        ),
+    ),
+    "meta-llama/Llama-2-70b-hf": (
+        "llama",
+        dict(
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_hidden_layers=80,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            vocab_size=32000,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            dtype="float16",
+        ),
+    ),
     # Llama 3.1 (Llama Team, 2024, arXiv:2407.21783), config.json of each checkpoint.
-    "meta-llama/Llama-3.1-8B": ("llama", dict(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
-        rope_theta=500000.0, tie_word_embeddings=False, dtype="bfloat16")),
-    "meta-llama/Llama-3.1-70B": ("llama", dict(
-        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
-        rope_theta=500000.0, tie_word_embeddings=False, dtype="bfloat16")),
-    "meta-llama/Llama-3.1-405B": ("llama", dict(
-        hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128,
-        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
-        rope_theta=500000.0, tie_word_embeddings=False, dtype="bfloat16")),
+    "meta-llama/Llama-3.1-8B": (
+        "llama",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+            dtype="bfloat16",
+        ),
+    ),
+    "meta-llama/Llama-3.1-70B": (
+        "llama",
+        dict(
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_hidden_layers=80,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+            dtype="bfloat16",
+        ),
+    ),
+    "meta-llama/Llama-3.1-405B": (
+        "llama",
+        dict(
+            hidden_size=16384,
+            intermediate_size=53248,
+            num_hidden_layers=126,
+            num_attention_heads=128,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+            dtype="bfloat16",
+        ),
+    ),
     # Mistral 7B (Jiang et al., 2023, arXiv:2310.06825): 4096-token sliding window on every layer.
-    "mistralai/Mistral-7B-v0.1": ("mistral", dict(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, sliding_window=4096,
-        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, dtype="bfloat16")),
+    "mistralai/Mistral-7B-v0.1": (
+        "mistral",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=32000,
+            max_position_embeddings=32768,
+            sliding_window=4096,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            tie_word_embeddings=False,
+            dtype="bfloat16",
+        ),
+    ),
     # Mixtral 8x7B (Jiang et al., 2024, arXiv:2401.04088): sliding_window is null in the released config.
-    "mistralai/Mixtral-8x7B-v0.1": ("mixtral", dict(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, sliding_window=None,
-        num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1e6,
-        tie_word_embeddings=False, dtype="bfloat16")),
+    "mistralai/Mixtral-8x7B-v0.1": (
+        "mixtral",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=32000,
+            max_position_embeddings=32768,
+            sliding_window=None,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            rms_norm_eps=1e-5,
+            rope_theta=1e6,
+            tie_word_embeddings=False,
+            dtype="bfloat16",
+        ),
+    ),
     # Qwen2.5 (Qwen Team, 2024, arXiv:2412.15115): use_sliding_window is false, so every layer is full.
-    "Qwen/Qwen2.5-0.5B": ("qwen2", dict(
-        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, use_sliding_window=False,
-        sliding_window=32768, max_window_layers=24, rms_norm_eps=1e-6, rope_theta=1e6,
-        tie_word_embeddings=True, dtype="bfloat16")),
-    "Qwen/Qwen2.5-7B": ("qwen2", dict(
-        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-        num_key_value_heads=4, vocab_size=152064, max_position_embeddings=131072, use_sliding_window=False,
-        sliding_window=131072, max_window_layers=28, rms_norm_eps=1e-6, rope_theta=1e6,
-        tie_word_embeddings=False, dtype="bfloat16")),
-    "Qwen/Qwen2.5-72B": ("qwen2", dict(
-        hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
-        num_key_value_heads=8, vocab_size=152064, max_position_embeddings=131072, use_sliding_window=False,
-        sliding_window=131072, max_window_layers=80, rms_norm_eps=1e-5, rope_theta=1e6,
-        tie_word_embeddings=False, dtype="bfloat16")),
+    "Qwen/Qwen2.5-0.5B": (
+        "qwen2",
+        dict(
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            vocab_size=151936,
+            max_position_embeddings=32768,
+            use_sliding_window=False,
+            sliding_window=32768,
+            max_window_layers=24,
+            rms_norm_eps=1e-6,
+            rope_theta=1e6,
+            tie_word_embeddings=True,
+            dtype="bfloat16",
+        ),
+    ),
+    "Qwen/Qwen2.5-7B": (
+        "qwen2",
+        dict(
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            vocab_size=152064,
+            max_position_embeddings=131072,
+            use_sliding_window=False,
+            sliding_window=131072,
+            max_window_layers=28,
+            rms_norm_eps=1e-6,
+            rope_theta=1e6,
+            tie_word_embeddings=False,
+            dtype="bfloat16",
+        ),
+    ),
+    "Qwen/Qwen2.5-72B": (
+        "qwen2",
+        dict(
+            hidden_size=8192,
+            intermediate_size=29568,
+            num_hidden_layers=80,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            vocab_size=152064,
+            max_position_embeddings=131072,
+            use_sliding_window=False,
+            sliding_window=131072,
+            max_window_layers=80,
+            rms_norm_eps=1e-5,
+            rope_theta=1e6,
+            tie_word_embeddings=False,
+            dtype="bfloat16",
+        ),
+    ),
     # Qwen3 (Qwen Team, 2025, arXiv:2505.09388): explicit head_dim=128.
-    "Qwen/Qwen3-8B": ("qwen3", dict(
-        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-        rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False, dtype="bfloat16")),
+    "Qwen/Qwen3-8B": (
+        "qwen3",
+        dict(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            rope_theta=1e6,
+            tie_word_embeddings=False,
+            dtype="bfloat16",
+        ),
+    ),
     # Gemma 2 (Gemma Team, 2024, arXiv:2408.00118): local (4096 window) and global layers alternate; head_dim 256.
-    "google/gemma-2-9b": ("gemma2", dict(
-        hidden_size=3584, intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=256, vocab_size=256000, max_position_embeddings=8192,
-        sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
-        final_logit_softcapping=30.0, rms_norm_eps=1e-6, dtype="bfloat16")),
+    "google/gemma-2-9b": (
+        "gemma2",
+        dict(
+            hidden_size=3584,
+            intermediate_size=14336,
+            num_hidden_layers=42,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=256,
+            vocab_size=256000,
+            max_position_embeddings=8192,
+            sliding_window=4096,
+            query_pre_attn_scalar=256,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            rms_norm_eps=1e-6,
+            dtype="bfloat16",
+        ),
+    ),
     # Gemma 3 (Gemma Team, 2025, arXiv:2503.19786): five local layers (1024 window) per global layer.
     # The -it checkpoint is the image-text model; only its text decoder holds a KV cache.
-    "google/gemma-3-27b-it": ("gemma3", dict(
-        text_config=dict(
-            hidden_size=5376, intermediate_size=21504, num_hidden_layers=62, num_attention_heads=32,
-            num_key_value_heads=16, head_dim=128, vocab_size=262208, max_position_embeddings=131072,
-            sliding_window=1024, sliding_window_pattern=6, query_pre_attn_scalar=168, rms_norm_eps=1e-6,
-            rope_theta=1e6, rope_local_base_freq=10000.0,
-            rope_scaling={"rope_type": "linear", "factor": 8.0}),
-        vision_config=dict(
-            hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
-            image_size=896, patch_size=14, vision_use_head=False),
-        mm_tokens_per_image=256, dtype="bfloat16")),
+    "google/gemma-3-27b-it": (
+        "gemma3",
+        dict(
+            text_config=dict(
+                hidden_size=5376,
+                intermediate_size=21504,
+                num_hidden_layers=62,
+                num_attention_heads=32,
+                num_key_value_heads=16,
+                head_dim=128,
+                vocab_size=262208,
+                max_position_embeddings=131072,
+                sliding_window=1024,
+                sliding_window_pattern=6,
+                query_pre_attn_scalar=168,
+                rms_norm_eps=1e-6,
+                rope_theta=1e6,
+                rope_local_base_freq=10000.0,
+                rope_scaling={"rope_type": "linear", "factor": 8.0},
+            ),
+            vision_config=dict(
+                hidden_size=1152,
+                intermediate_size=4304,
+                num_hidden_layers=27,
+                num_attention_heads=16,
+                image_size=896,
+                patch_size=14,
+                vision_use_head=False,
+            ),
+            mm_tokens_per_image=256,
+            dtype="bfloat16",
+        ),
+    ),
     # Falcon-7B (Almazrouei et al., 2023, arXiv:2311.16867): multi-query attention, one KV head for 71 query heads.
-    "tiiuae/falcon-7b": ("falcon", dict(
-        hidden_size=4544, num_hidden_layers=32, num_attention_heads=71, multi_query=True,
-        new_decoder_architecture=False, parallel_attn=True, bias=False, alibi=False, vocab_size=65024,
-        dtype="bfloat16")),
+    "tiiuae/falcon-7b": (
+        "falcon",
+        dict(
+            hidden_size=4544,
+            num_hidden_layers=32,
+            num_attention_heads=71,
+            multi_query=True,
+            new_decoder_architecture=False,
+            parallel_attn=True,
+            bias=False,
+            alibi=False,
+            vocab_size=65024,
+            dtype="bfloat16",
+        ),
+    ),
     # OPT-13B (Zhang et al., 2022, arXiv:2205.01068): multi-head attention.
-    "facebook/opt-13b": ("opt", dict(
-        hidden_size=5120, ffn_dim=20480, num_hidden_layers=40, num_attention_heads=40, vocab_size=50272,
-        max_position_embeddings=2048, word_embed_proj_dim=5120, do_layer_norm_before=True,
-        dtype="float16")),
+    "facebook/opt-13b": (
+        "opt",
+        dict(
+            hidden_size=5120,
+            ffn_dim=20480,
+            num_hidden_layers=40,
+            num_attention_heads=40,
+            vocab_size=50272,
+            max_position_embeddings=2048,
+            word_embed_proj_dim=5120,
+            do_layer_norm_before=True,
+            dtype="float16",
+        ),
+    ),
     # GPT-2 small (Radford et al., 2019).
-    "openai-community/gpt2": ("gpt2", dict(
-        n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024, dtype="float32")),
+    "openai-community/gpt2": (
+        "gpt2",
+        dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024, dtype="float32"),
+    ),
     # Phi-3-mini-4k (Abdin et al., 2024, arXiv:2404.14219). Its config declares sliding_window=2047, which
     # transformers honours on every layer.
-    "microsoft/Phi-3-mini-4k-instruct": ("phi3", dict(
-        hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096,
-        original_max_position_embeddings=4096, sliding_window=2047, rms_norm_eps=1e-5, rope_theta=10000.0,
-        pad_token_id=32000, tie_word_embeddings=False, dtype="bfloat16")),
+    "microsoft/Phi-3-mini-4k-instruct": (
+        "phi3",
+        dict(
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            vocab_size=32064,
+            max_position_embeddings=4096,
+            original_max_position_embeddings=4096,
+            sliding_window=2047,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            pad_token_id=32000,
+            tie_word_embeddings=False,
+            dtype="bfloat16",
+        ),
+    ),
     # DeepSeek-V2-Lite (DeepSeek-AI, 2024, arXiv:2405.04434): multi-head latent attention, no query LoRA.
-    "deepseek-ai/DeepSeek-V2-Lite": ("deepseek_v2", dict(
-        hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
-        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
-        num_experts_per_tok=6, first_k_dense_replace=1, n_group=1, topk_group=1, topk_method="greedy",
-        vocab_size=102400, max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        dtype="bfloat16")),
+    "deepseek-ai/DeepSeek-V2-Lite": (
+        "deepseek_v2",
+        dict(
+            hidden_size=2048,
+            intermediate_size=10944,
+            moe_intermediate_size=1408,
+            num_hidden_layers=27,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            q_lora_rank=None,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            n_routed_experts=64,
+            n_shared_experts=2,
+            num_experts_per_tok=6,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            topk_method="greedy",
+            vocab_size=102400,
+            max_position_embeddings=163840,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            dtype="bfloat16",
+        ),
+    ),
     # DeepSeek-V3 (DeepSeek-AI, 2024, arXiv:2412.19437). transformers does not build the multi-token-prediction
     # module, so the count is the 671B main model.
-    "deepseek-ai/DeepSeek-V3": ("deepseek_v3", dict(
-        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
-        num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, n_shared_experts=1,
-        num_experts_per_tok=8, first_k_dense_replace=3, n_group=8, topk_group=4, vocab_size=129280,
-        max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False, dtype="bfloat16")),
+    "deepseek-ai/DeepSeek-V3": (
+        "deepseek_v3",
+        dict(
+            hidden_size=7168,
+            intermediate_size=18432,
+            moe_intermediate_size=2048,
+            num_hidden_layers=61,
+            num_attention_heads=128,
+            num_key_value_heads=128,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            n_routed_experts=256,
+            n_shared_experts=1,
+            num_experts_per_tok=8,
+            first_k_dense_replace=3,
+            n_group=8,
+            topk_group=4,
+            vocab_size=129280,
+            max_position_embeddings=163840,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            dtype="bfloat16",
+        ),
+    ),
     # TinyLlama 1.1B (Zhang et al., 2024, arXiv:2401.02385).
-    "TinyLlama/TinyLlama-1.1B-Chat-v1.0": ("llama", dict(
-        hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-        num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, dtype="bfloat16")),
+    "TinyLlama/TinyLlama-1.1B-Chat-v1.0": (
+        "llama",
+        dict(
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_hidden_layers=22,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            vocab_size=32000,
+            max_position_embeddings=2048,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            dtype="bfloat16",
+        ),
+    ),
 }
 
 
@@ -180,14 +459,27 @@ def get_config(name: str) -> PretrainedConfig:
         config = AutoConfig.for_model(model_type, **_deepcopy(fields))
         config.name_or_path = name
         return config
+    if os.path.isdir(name) or _hub_reachable():
+        try:
+            return AutoConfig.from_pretrained(name)
+        except Exception as err:
+            reason = f"AutoConfig could not load it ({type(err).__name__})"
+    else:
+        reason = "the Hugging Face Hub is unreachable (offline), so only the registry and local paths work"
+    raise UnknownModelError(
+        f"unknown model {name!r}: it is not in the kvlab registry and {reason}. Known models: {', '.join(_REGISTRY)}"
+    )
+
+
+def _hub_reachable(timeout: float = 2.0) -> bool:
+    """Fail fast offline: huggingface_hub would otherwise retry a dead connection for ~20 s."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
     try:
-        return AutoConfig.from_pretrained(name)
-    except Exception as err:
-        known = "\n  ".join(_REGISTRY)
-        raise UnknownModelError(
-            f"unknown model {name!r}: it is not in the kvlab registry and AutoConfig could not load it "
-            f"({type(err).__name__}; offline, only the registry works). Known models:\n  {known}"
-        ) from None
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def _deepcopy(fields: dict[str, Any]) -> dict[str, Any]:
@@ -303,7 +595,11 @@ def _attention_shape(layer_config: PretrainedConfig) -> tuple[int, int, int]:
                 f"hidden_size={hidden} is not divisible by num_attention_heads={heads} and no head_dim is set"
             )
         head_dim = hidden // heads
-    return heads, _positive(layer_config, "num_key_value_heads", kv_heads), _positive(layer_config, "head_dim", head_dim)
+    return (
+        heads,
+        _positive(layer_config, "num_key_value_heads", kv_heads),
+        _positive(layer_config, "head_dim", head_dim),
+    )
 
 
 _FULL = {"full_attention"}
@@ -334,19 +630,25 @@ def describe(config: PretrainedConfig | str) -> ArchSpec:
             if layer_type != "full_attention":
                 raise UnsupportedConfigError(f"layer {index}: MLA with {layer_type!r} is not supported")
             n_heads = _positive(layer_config, "num_attention_heads", layer_config.num_attention_heads)
-            layers.append(LayerSpec(
-                "mla", kv_heads=n_heads,
-                head_dim=layer_config.qk_nope_head_dim + layer_config.qk_rope_head_dim,
-                v_head_dim=layer_config.v_head_dim,
-                latent_dim=_positive(layer_config, "kv_lora_rank", layer_config.kv_lora_rank),
-                rope_dim=_positive(layer_config, "qk_rope_head_dim", layer_config.qk_rope_head_dim)))
+            layers.append(
+                LayerSpec(
+                    "mla",
+                    kv_heads=n_heads,
+                    head_dim=layer_config.qk_nope_head_dim + layer_config.qk_rope_head_dim,
+                    v_head_dim=layer_config.v_head_dim,
+                    latent_dim=_positive(layer_config, "kv_lora_rank", layer_config.kv_lora_rank),
+                    rope_dim=_positive(layer_config, "qk_rope_head_dim", layer_config.qk_rope_head_dim),
+                )
+            )
             continue
         _, kv_heads, head_dim = _attention_shape(layer_config)
         if layer_type in _SLIDING:
             window = kwargs["sliding_window"]
             if not isinstance(window, int) or window < 2:
                 # transformers slices [-window + 1:], which keeps everything when window == 1.
-                raise UnsupportedConfigError(f"layer {index}: sliding window must be an integer >= 2, got {window!r}")
+                raise UnsupportedConfigError(
+                    f"layer {index}: sliding window must be an integer >= 2, got {window!r}"
+                )
             layers.append(LayerSpec("sliding", kv_heads, head_dim, head_dim, window=window))
         else:
             layers.append(LayerSpec("full", kv_heads, head_dim, head_dim))

@@ -52,12 +52,17 @@ def cache_inventory(cache: Any) -> list[CacheTensor]:
         attributes = layer if isinstance(layer, dict) else vars(layer)
         for name, value in attributes.items():
             if isinstance(value, torch.Tensor) and value.device.type != "meta":
-                rows.append(CacheTensor(
-                    layer=index, name=name, shape=tuple(value.shape), dtype=value.dtype,
-                    nbytes=value.numel() * value.element_size(),
-                    storage_nbytes=value.untyped_storage().nbytes(),
-                    is_state=name in _STATE_NAMES,
-                ))
+                rows.append(
+                    CacheTensor(
+                        layer=index,
+                        name=name,
+                        shape=tuple(value.shape),
+                        dtype=value.dtype,
+                        nbytes=value.numel() * value.element_size(),
+                        storage_nbytes=value.untyped_storage().nbytes(),
+                        is_state=name in _STATE_NAMES,
+                    )
+                )
     return rows
 
 

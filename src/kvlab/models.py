@@ -74,8 +74,14 @@ def tiny_config(
     )
     inter = intermediate or 2 * hidden
     if family == "falcon":
-        fields.update(new_decoder_architecture=kv_heads not in (1, heads), multi_query=kv_heads == 1,
-                      num_kv_heads=kv_heads, parallel_attn=True, bias=False, alibi=False)
+        fields.update(
+            new_decoder_architecture=kv_heads not in (1, heads),
+            multi_query=kv_heads == 1,
+            num_kv_heads=kv_heads,
+            parallel_attn=True,
+            bias=False,
+            alibi=False,
+        )
     elif family == "opt":
         fields.update(ffn_dim=inter, word_embed_proj_dim=hidden, do_layer_norm_before=True)
     elif family == "gpt2":
@@ -86,8 +92,10 @@ def tiny_config(
         # Some families default to a fixed head_dim (Qwen3: 128) rather than hidden / heads.
         fields["head_dim"] = head_dim or hidden // heads
     if family in ("gemma2", "gemma3_text"):
-        fields.update(sliding_window=window if window is not None else max_positions,
-                      query_pre_attn_scalar=fields["head_dim"])
+        fields.update(
+            sliding_window=window if window is not None else max_positions,
+            query_pre_attn_scalar=fields["head_dim"],
+        )
         if family == "gemma3_text":
             fields["sliding_window_pattern"] = overrides.pop("sliding_window_pattern", 6)
     elif family == "qwen2":
@@ -99,10 +107,19 @@ def tiny_config(
     if family in ("deepseek_v2", "deepseek_v3"):
         qk_nope = head_dim or hidden // heads
         fields.update(
-            kv_lora_rank=latent, qk_rope_head_dim=rope_dim, qk_nope_head_dim=qk_nope, v_head_dim=qk_nope,
-            q_lora_rank=None if family == "deepseek_v2" else 2 * latent, n_routed_experts=4, n_shared_experts=1,
-            num_experts_per_tok=2, moe_intermediate_size=inter // 2, first_k_dense_replace=1, n_group=1,
-            topk_group=1, num_key_value_heads=heads,
+            kv_lora_rank=latent,
+            qk_rope_head_dim=rope_dim,
+            qk_nope_head_dim=qk_nope,
+            v_head_dim=qk_nope,
+            q_lora_rank=None if family == "deepseek_v2" else 2 * latent,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=inter // 2,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            num_key_value_heads=heads,
         )
     fields.update(overrides)
     return AutoConfig.for_model(family, **fields)

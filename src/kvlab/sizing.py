@@ -20,7 +20,16 @@ from kvlab.arch import ArchSpec, describe, get_config
 DType = torch.dtype | str | None
 
 # Bytes per element. fp8/int8 caches also keep small per-block scales; those are not counted here.
-_DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
+_DTYPE_BYTES = {
+    "fp32": 4,
+    "float32": 4,
+    "fp16": 2,
+    "float16": 2,
+    "bf16": 2,
+    "bfloat16": 2,
+    "fp8": 1,
+    "int8": 1,
+}
 
 
 def dtype_bytes(dtype: DType) -> int:
@@ -71,7 +80,11 @@ def kv_cache_bytes(
     _check_count("seq_len", seq_len, 0)
     _check_count("batch_size", batch_size)
     spec, nbytes = _spec_and_bytes(config, dtype)
-    return batch_size * nbytes * sum(layer.tokens_kept(seq_len) * layer.elements_per_token for layer in spec.layers)
+    return (
+        batch_size
+        * nbytes
+        * sum(layer.tokens_kept(seq_len) * layer.elements_per_token for layer in spec.layers)
+    )
 
 
 def max_tokens_for_budget(config: PretrainedConfig | str, budget_bytes: int, dtype: DType = None) -> int:

@@ -1,0 +1,107 @@
+"""`kvlab size MODEL --context 32k --batch 16 --kv-dtype fp8 --gpu H100-SXM`: the sizing chapter in one line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvlab import arch, hardware, sizing
+from kvlab.units import format_bytes, format_tokens, parse_tokens
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _gpu(text: str) -> str:
+    try:
+        return hardware.get(text).name
+    except KeyError as err:
+        raise argparse.ArgumentTypeError(str(err.args[0])) from None
+
+
+def _tokens(text: str) -> int:
+    try:
+        return parse_tokens(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def size_report(
+    model: str,
+    context: int,
+    batch: int,
+    kv_dtype: str = "bf16",
+    weight_dtype: str = "bf16",
+    gpu: str | None = None,
+) -> str:
+    """The text `kvlab size` prints."""
+    config = arch.get_config(model)
+    spec = arch.describe(config)
+    per_token = sizing.kv_bytes_per_token(config, kv_dtype)
+    per_seq = sizing.kv_cache_bytes(config, context, 1, kv_dtype)
+    total = per_seq * batch
+    weights = sizing.weight_bytes(config, int(weight_dtype) if weight_dtype.isdigit() else weight_dtype)
+    kinds = ", ".join(f"{n} {k}" for k, n in spec.kinds.items())
+    lines = [
+        f"model        {model} ({spec.attention_type}, {spec.num_layers} layers: {kinds}; "
+        f"kv_heads={spec.kv_heads}, head_dim={spec.head_dim})",
+        f"KV per token {format_bytes(per_token)} ({per_token:,} B, {kv_dtype})",
+        f"KV per seq   {format_bytes(per_seq)} at {format_tokens(context)} tokens",
+        f"KV total     {format_bytes(total)} for {batch} sequences",
+        f"weights      {format_bytes(weights)} ({weight_dtype})",
+        f"weights + KV {format_bytes(weights + total)}",
+    ]
+    if gpu is not None:
+        hw = hardware.get(gpu)
+        free = hw.memory_bytes - weights
+        fits = free >= total
+        max_seqs = max(free, 0) // per_seq
+        lines.append(
+            f"on {hw.name}    {format_bytes(hw.memory_bytes)}: {'fits' if fits else 'does NOT fit'}; "
+            f"room for {max_seqs} sequences of {format_tokens(context)} tokens beside the weights "
+            "(before runtime, activations and allocator reserve)"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvlab", description="Size the KV cache of an LLM deployment.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    size = sub.add_parser("size", help="KV cache and weight bytes for a model, context and batch")
+    size.add_argument("model", help="a registry name (see `kvlab models`) or a Hugging Face id")
+    size.add_argument("--context", type=_tokens, default=4096, help="tokens per sequence, e.g. 4096 or 32k")
+    size.add_argument("--batch", type=_positive_int, default=1, help="concurrent sequences")
+    size.add_argument("--kv-dtype", default="bf16", choices=["fp32", "fp16", "bf16", "fp8", "int8"])
+    size.add_argument(
+        "--weight-dtype",
+        default="bf16",
+        choices=["fp32", "fp16", "bf16", "fp8", "int8", "4"],
+        help="weight precision; 4 means 4-bit",
+    )
+    size.add_argument(
+        "--gpu", type=_gpu, help=f"check the plan against this GPU: {', '.join(hardware.names())}"
+    )
+    sub.add_parser("models", help="list the offline registry")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "models":
+            print("\n".join(arch.registry()))
+        else:
+            print(
+                size_report(args.model, args.context, args.batch, args.kv_dtype, args.weight_dtype, args.gpu)
+            )
+    except (arch.UnknownModelError, arch.UnsupportedConfigError, ValueError) as err:
+        print(f"kvlab: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

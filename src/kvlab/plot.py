@@ -1,0 +1,76 @@
+"""One figure style for the whole book: predicted lines, measured markers, bytes on binary axes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import matplotlib as mpl
+import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
+
+from kvlab.units import format_bytes
+
+PREDICTED = "#1f4e79"  # dark blue line: what kvlab computes
+MEASURED = "#d1495b"  # red markers: what the lab measured
+PALETTE = ["#1f4e79", "#d1495b", "#edae49", "#00798c", "#66a182", "#8d96a3", "#30638e", "#a05195"]
+
+STYLE = {
+    "figure.figsize": (7.0, 4.2),
+    "figure.dpi": 100,
+    "savefig.dpi": 150,
+    "savefig.bbox": "tight",
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.prop_cycle": mpl.cycler(color=PALETTE),
+    "axes.titlesize": 12,
+    "axes.labelsize": 11,
+    "legend.frameon": False,
+    "font.size": 10,
+}
+
+
+def use_style() -> None:
+    """Apply the house style to every later figure (call once per notebook)."""
+    mpl.rcParams.update(STYLE)
+
+
+def figure(ncols: int = 1, nrows: int = 1, **kwargs) -> tuple[Figure, Axes | Sequence[Axes]]:
+    use_style()
+    width, height = STYLE["figure.figsize"]
+    kwargs.setdefault("figsize", (width * (1 + 0.75 * (ncols - 1)), height * (1 + 0.8 * (nrows - 1))))
+    kwargs.setdefault("layout", "constrained")
+    return plt.subplots(nrows, ncols, **kwargs)
+
+
+def bytes_axis(ax: Axes, axis: str = "y") -> None:
+    """Label ticks of `axis` ("x" or "y") in KiB/MiB/GiB."""
+    formatter = FuncFormatter(lambda value, _pos: format_bytes(value, 3) if value >= 0 else "")
+    (ax.yaxis if axis == "y" else ax.xaxis).set_major_formatter(formatter)
+
+
+def predicted_vs_measured(
+    ax: Axes,
+    x: Sequence[float],
+    predicted: Sequence[float],
+    measured: Sequence[float],
+    *,
+    label: str = "",
+    color: str | None = None,
+) -> None:
+    """Prediction as a line, measurement as hollow markers over it, sharing one colour per series."""
+    suffix = f" ({label})" if label else ""
+    line = ax.plot(x, predicted, "-", color=color or PREDICTED, lw=1.8, label=f"predicted{suffix}")[0]
+    ax.plot(
+        x,
+        measured,
+        "o",
+        mfc="none",
+        mec=MEASURED if color is None else line.get_color(),
+        mew=1.6,
+        ms=7,
+        label=f"measured{suffix}",
+    )
