@@ -1,0 +1,59 @@
+# The two README commands: `make book` and `make test`. Both create .venv/ when it is missing.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvlab-installed
+NOTEBOOKS := $(shell find book -name '*.ipynb' -not -path '*/_build/*' -not -path '*/.ipynb_checkpoints/*' | sort)
+# Labs are CPU-sized and seeded; hide any GPU so stored outputs and CI agree.
+export PYTHONHASHSEED := 0
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export MPLBACKEND := Agg
+
+.PHONY: install book test lint pytest nbval smoke book-check outputs clean fork
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	@touch $@
+
+install: $(STAMP)
+
+## make book: execute every notebook and build the HTML into _build/html; any failing cell or warning fails.
+book: install
+	rm -rf _build/html _build/.doctrees
+	$(BIN)/jupyter-book build . --all -W -n --keep-going
+
+## make test: lint, pytest, nbval on every notebook, a papermill smoke sweep, and a warning-free book build.
+test: lint pytest nbval smoke book
+
+lint: install
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+pytest: install
+	$(BIN)/pytest tests -p no:cacheprovider
+
+nbval: install
+	$(BIN)/pytest --nbval $(NOTEBOOKS) --sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider -q
+
+smoke: install
+	$(PY) tests/smoke_sweep.py
+
+## make outputs: re-execute every notebook in place (seeded, CPU) to refresh the outputs nbval compares.
+outputs: install
+	for nb in $(NOTEBOOKS); do \
+	  CUDA_VISIBLE_DEVICES= $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
+	    --ExecutePreprocessor.timeout=600 "$$nb" || exit 1; \
+	done
+
+## make fork REPO=https://github.com/you/kvlab: point launch buttons and Colab installs at a fork.
+fork:
+	@test -n "$(REPO)" || { echo "usage: make fork REPO=https://github.com/you/kvlab"; exit 2; }
+	$(PY) tests/repo_url.py set "$(REPO)"
+
+clean:
+	rm -rf _build
