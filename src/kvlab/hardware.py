@@ -11,6 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from kvlab.env import device_name, pick_device
+from kvlab.measure import time_call
+
 GB = 10**9
 TB = 10**12
 TFLOPS = 10**12
@@ -30,6 +35,11 @@ class Accelerator:
     interconnect_bytes_per_s: float | None  # GPU-to-GPU (NVLink) total, None where the part has none
     source: str
     note: str = ""
+
+    @property
+    def flops(self) -> float:
+        """The compute ceiling the roofline uses (a `Measurement` has its own): the dense bf16 peak."""
+        return self.bf16_flops
 
     @property
     def ridge_flops_per_byte(self) -> float:
@@ -128,3 +138,104 @@ def get(name: str) -> Accelerator:
         if key.lower() == str(name).lower():
             return spec
     raise KeyError(f"unknown accelerator {name!r}; known: {', '.join(SPECS)}")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Ceilings measured on this machine, usable wherever the roofline takes a spec-sheet `Accelerator`.
+
+    `flops` is the matmul throughput in `flops_dtype`; `bf16_flops` returns the same number under the spec
+    table's name so code written for `Accelerator` runs unchanged (on CPU it is the fp32 figure by default).
+    """
+
+    name: str
+    memory_bytes: int
+    bandwidth_bytes_per_s: float  # large device-to-device copy, bytes read + written
+    flops: float  # square matmul, FLOP/s
+    flops_dtype: str
+    host_link_bytes_per_s: float | None  # pinned host-to-device copy; None on CPU (there is no link)
+    copy_bytes: int  # size of the copied buffer
+    matmul_size: int  # n of the n × n × n matmul
+    interconnect_bytes_per_s: float | None = None
+    source: str = "measured by kvlab.hardware.measure"
+    note: str = ""
+
+    @property
+    def bf16_flops(self) -> float:
+        return self.flops
+
+    @property
+    def ridge_flops_per_byte(self) -> float:
+        return self.flops / self.bandwidth_bytes_per_s
+
+
+def _host_memory_bytes() -> int:
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _copy_seconds(device: torch.device, size_bytes: int, repeat: int) -> tuple[float, int]:
+    """Best time of `dst.copy_(src)` for fp32 buffers of `size_bytes`, and the bytes copied."""
+    src = torch.ones(size_bytes // 4, dtype=torch.float32, device=device)  # ones, not empty: touch every page
+    dst = torch.empty_like(src)
+    return min(time_call(lambda: dst.copy_(src), device, repeat=repeat, warmup=1)), src.nbytes
+
+
+def _host_link(device: torch.device, size_bytes: int, repeat: int) -> float:
+    """Pinned host-to-device copy bandwidth, bytes/s (one direction)."""
+    host = torch.ones(size_bytes // 4, dtype=torch.float32, pin_memory=True)
+    dst = torch.empty_like(host, device=device)
+    return host.nbytes / min(
+        time_call(lambda: dst.copy_(host, non_blocking=True), device, repeat=repeat, warmup=1)
+    )
+
+
+def _matmul_seconds(device: torch.device, n: int, dtype: torch.dtype, repeat: int) -> float:
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    return min(time_call(lambda: a @ b, device, repeat=repeat, warmup=1))
+
+
+def measure(
+    device: str | torch.device | None = None,
+    size_bytes: int = 256 * 2**20,
+    matmul_size: int | None = None,
+    dtype: torch.dtype | None = None,
+    repeat: int = 5,
+) -> Measurement:
+    """Achieved memory bandwidth and matmul FLOP/s of `device` (default: cuda if any, else cpu).
+
+    Bandwidth: `dst.copy_(src)` of `size_bytes`, counting read + write (2 × size); 256 MiB is past the
+    last-level cache of the CPUs and GPUs this book meets. FLOP/s: an n × n by n × n matmul (2n³ FLOP) in
+    `dtype`, default bf16 on GPU and fp32 on CPU (the dtype the CPU labs run their models in; CPUs with AMX run
+    bf16 several times faster, pass `dtype=torch.bfloat16` to see it). Each figure is the best of `repeat`
+    runs, as STREAM reports: the ceiling, not the typical run. On CPU the defaults take about a second.
+    """
+    if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes < 2**20:
+        raise ValueError(f"size_bytes must be an integer >= 1 MiB, got {size_bytes!r}")
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    device = pick_device(device)
+    gpu = device.type == "cuda"
+    dtype = dtype or (torch.bfloat16 if gpu else torch.float32)
+    n = (8192 if gpu else 1024) if matmul_size is None else matmul_size
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"matmul_size must be a positive integer, got {n!r}")
+
+    copy_s, copied = _copy_seconds(device, size_bytes, repeat)
+    host_link = _host_link(device, size_bytes, repeat) if gpu else None
+    matmul_s = _matmul_seconds(device, n, dtype, repeat)
+    flops_dtype = str(dtype).removeprefix("torch.")
+    memory = torch.cuda.get_device_properties(device).total_memory if gpu else _host_memory_bytes()
+    return Measurement(
+        name=f"measured {device_name(device)}",
+        memory_bytes=int(memory),
+        bandwidth_bytes_per_s=2 * copied / copy_s,
+        flops=2 * n**3 / matmul_s,
+        flops_dtype=flops_dtype,
+        host_link_bytes_per_s=host_link,
+        copy_bytes=copied,
+        matmul_size=n,
+        note=f"{torch.get_num_threads()} torch threads" if not gpu else "",
+    )

@@ -1,0 +1,365 @@
+"""Roofline predictions of prefill and decode time: max(compute term, memory term).
+
+A step takes at least its FLOPs over the peak FLOP/s, and at least its bytes moved over the memory bandwidth;
+the larger of the two is the prediction (Williams et al., 2009, "Roofline", CACM 52(4)).
+
+Memory term, decode: every weight byte is read once per step, plus the whole KV cache of every sequence
+(`kvlab.sizing.kv_cache_bytes` at `context_len`, so sliding-window layers count at most window - 1 tokens).
+`context_len` is the length of the cache the step attends over. Two simplifications, both small for the models
+here: the input-embedding table counts in full although a step gathers only `batch_size` rows of it (so the
+term overstates weights by vocab × hidden elements, 2-7 % for the registry models), and activations are not
+counted. MoE: a step reads only the experts its tokens route to; with uniform routing of `k` of `E` experts,
+`t` tokens touch E·(1 - (1 - k/E)^t) experts per layer on average, which is `k` at one token and all `E` at a
+large batch.
+
+Compute term: a token costs 2 FLOP (one multiply-add) per weight it multiplies (Kaplan et al., 2020,
+arXiv:2001.08361, Table 1), counting only the experts it routes to, and not the input embedding (a gather).
+Attention adds, per layer and per token it attends to, the q·k score (2 · heads · head_dim FLOP) and the
+weighted sum of v (2 · heads · v_head_dim): 4 · layers · heads · head_dim · context per token. Kaplan's table
+keeps only the score term; the value sum costs as much again. Query heads count, not KV heads: grouped-query
+attention shares K/V, it does not shrink the products. MLA is counted in its absorbed form (scores against the
+kv_lora_rank + rope latent, values from the latent), as serving engines run it; transformers 5.24 instead
+re-expands the latent each step, which costs more. Prefill is causal: token i attends to i + 1 tokens (at most
+the window), so attention costs are summed over the triangle, and logits are computed for the last token only.
+Norms, rotary embeddings, softmax and biases are ignored: approximate by well under 1 % at these sizes.
+
+`hw` is a spec-sheet entry (`kvlab.hardware.get`), a name for one, or a `kvlab.hardware.measure()` result.
+Chapters: *Why decode is bandwidth-bound*, *Capacity planning*.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal
+
+from transformers import PretrainedConfig
+
+from kvlab import hardware
+from kvlab.arch import ArchSpec, LayerSpec, describe, get_config
+from kvlab.sizing import DType, _config_dtype, dtype_bytes, kv_cache_bytes, param_count, weight_bytes
+
+Hardware = hardware.Accelerator | hardware.Measurement | str
+Config = PretrainedConfig | str
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """One prefill or decode step on the roofline."""
+
+    compute_s: float  # flops / peak FLOP/s
+    memory_s: float  # bytes / bandwidth
+    flops: float
+    bytes: float  # weights read + KV read (decode) or written (prefill)
+    weight_bytes: float
+    kv_bytes: float
+    tokens: int  # tokens the step produces: batch_size for decode, batch_size × prompt_len for prefill
+
+    @property
+    def time_s(self) -> float:
+        return max(self.compute_s, self.memory_s)
+
+    @property
+    def bound(self) -> Literal["compute", "memory"]:
+        return "compute" if self.compute_s > self.memory_s else "memory"
+
+    @property
+    def arithmetic_intensity(self) -> float:
+        """FLOP per byte moved; the step is compute-bound where this exceeds the hardware's ridge point."""
+        return self.flops / self.bytes
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.time_s
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What the roofline needs from a config, worked out once. Counts are of the text decoder."""
+
+    spec: ArchSpec
+    params: int
+    matmul_params: int  # params a token multiplies when every expert is active (no input embedding)
+    lm_head_params: int
+    expert_params: int  # routed experts, all of them (0 for a dense model)
+    num_experts: int
+    experts_per_token: int
+
+    @property
+    def active_params(self) -> int:
+        """Params one token multiplies: the dense part plus its `experts_per_token` routed experts."""
+        if not self.num_experts:
+            return self.matmul_params
+        return self.matmul_params - self.expert_params * (self.num_experts - self.experts_per_token) // (
+            self.num_experts
+        )
+
+    def experts_touched(self, tokens: float) -> float:
+        """Expected distinct experts per MoE layer that `tokens` tokens route to (uniform routing)."""
+        if not self.num_experts:
+            return 0.0
+        return self.num_experts * (1 - (1 - self.experts_per_token / self.num_experts) ** tokens)
+
+    def attention_flops(self, attended: float) -> float:
+        """FLOPs of one token's attention over `attended` tokens, in every layer (window-capped per layer)."""
+        return sum(_pair_flops(layer, self.spec) * _attended(layer, attended) for layer in self.spec.layers)
+
+    def prefill_attention_flops(self, prompt_len: int) -> float:
+        """FLOPs of causal attention over a prompt: token i attends to min(i + 1, window) tokens."""
+        total = 0.0
+        for layer in self.spec.layers:
+            if layer.kind == "none":
+                continue
+            p = prompt_len
+            w = layer.window if layer.kind == "sliding" else p
+            w = min(w, p)
+            pairs = w * (w + 1) / 2 + (p - w) * w  # the ramp up to the window, then full windows
+            total += _pair_flops(layer, self.spec) * pairs
+        return total
+
+
+def _pair_flops(layer: LayerSpec, spec: ArchSpec) -> int:
+    """FLOPs of one query token against one key token in `layer`: score plus weighted value, every head."""
+    if layer.kind == "none":
+        return 0
+    heads = spec.num_attention_heads
+    if layer.kind == "mla":  # absorbed form: score over latent + rope, values from the latent
+        return 2 * heads * (layer.latent_dim + layer.rope_dim + layer.latent_dim)
+    return 2 * heads * (layer.head_dim + layer.v_head_dim)
+
+
+def _attended(layer: LayerSpec, context: float) -> float:
+    if layer.kind == "none":
+        return 0.0
+    return min(context, layer.window) if layer.kind == "sliding" else context
+
+
+def _routed_experts(text: PretrainedConfig) -> tuple[int, int, int]:
+    """(routed expert params in all layers, experts, experts per token), from the config's MoE fields.
+
+    Each expert is a gated MLP: 3 × hidden × expert width. Mixtral's experts are `intermediate_size` wide in
+    every layer; DeepSeek's are `moe_intermediate_size` wide in every layer from `first_k_dense_replace` on.
+    Shared experts are always active and count as dense weights.
+    """
+    experts = getattr(text, "num_local_experts", None) or getattr(text, "n_routed_experts", None) or 0
+    if not experts:
+        return 0, 0, 0
+    per_token = text.num_experts_per_tok
+    width = getattr(text, "moe_intermediate_size", None) or text.intermediate_size
+    moe_layers = text.num_hidden_layers - (getattr(text, "first_k_dense_replace", None) or 0)
+    return moe_layers * experts * 3 * text.hidden_size * width, experts, per_token
+
+
+@lru_cache(maxsize=64)
+def _cost(config_json: str, model_type: str) -> ModelCost:
+    import json
+
+    from transformers import AutoConfig
+
+    fields = json.loads(config_json)
+    fields.pop("model_type", None)
+    return _cost_of(AutoConfig.for_model(model_type, **fields))
+
+
+def _cost_of(text: PretrainedConfig) -> ModelCost:
+    params = param_count(text)
+    embedding = text.vocab_size * text.hidden_size
+    tied = getattr(text, "tie_word_embeddings", False)
+    expert_params, experts, per_token = _routed_experts(text)
+    return ModelCost(
+        spec=describe(text),
+        params=params,
+        # A tied table is one tensor, used as the lm_head; an untied input table is only gathered.
+        matmul_params=params if tied else params - embedding,
+        lm_head_params=embedding,
+        expert_params=expert_params,
+        num_experts=experts,
+        experts_per_token=per_token,
+    )
+
+
+def model_cost(config: Config) -> ModelCost:
+    """Params, active params and attention shape of `config` (a config or a registry name), cached."""
+    config = get_config(config) if isinstance(config, str) else config
+    text = config.get_text_config(decoder=True)  # image-text models: decoding runs the text decoder only
+    return _cost(text.to_json_string(use_diff=False), text.model_type)
+
+
+def active_params(config: Config) -> int:
+    """Weights one token multiplies (MoE: its routed experts only; the input embedding is not counted)."""
+    return model_cost(config).active_params
+
+
+def _hardware(hw: Hardware) -> hardware.Accelerator | hardware.Measurement:
+    if isinstance(hw, str):
+        return hardware.get(hw)
+    if not isinstance(hw, (hardware.Accelerator, hardware.Measurement)):
+        raise TypeError(f"hw must be a kvlab.hardware entry, its name, or a measure() result; got {hw!r}")
+    return hw
+
+
+def _count(name: str, value: int, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _dtypes(config: Config, dtype: DType, kv_dtype: DType) -> tuple[DType, DType]:
+    config = get_config(config) if isinstance(config, str) else config
+    dtype = _config_dtype(config) if dtype is None else dtype
+    dtype_bytes(dtype)  # fail early on an unknown name
+    return dtype, dtype if kv_dtype is None else kv_dtype
+
+
+def _weights_read(config: Config, cost: ModelCost, dtype: DType, tokens: float) -> float:
+    """Weight bytes a step over `tokens` tokens reads: all of them, less the experts no token routed to."""
+    config = get_config(config) if isinstance(config, str) else config
+    total = weight_bytes(config.get_text_config(decoder=True), dtype)
+    if not cost.num_experts:
+        return float(total)
+    untouched = 1 - cost.experts_touched(tokens) / cost.num_experts
+    return total - cost.expert_params * dtype_bytes(dtype) * untouched
+
+
+def _decode(
+    config: Config, hw: Hardware, batch: float, context_len: int, dtype: DType, kv_dtype: DType
+) -> StepEstimate:
+    hw = _hardware(hw)
+    cost = model_cost(config)
+    dtype, kv_dtype = _dtypes(config, dtype, kv_dtype)
+    weights = _weights_read(config, cost, dtype, batch)
+    kv = batch * kv_cache_bytes(config, context_len, 1, kv_dtype)
+    flops = batch * (2 * cost.active_params + cost.attention_flops(context_len))
+    return StepEstimate(
+        compute_s=flops / hw.flops,
+        memory_s=(weights + kv) / hw.bandwidth_bytes_per_s,
+        flops=flops,
+        bytes=weights + kv,
+        weight_bytes=weights,
+        kv_bytes=kv,
+        tokens=int(batch),
+    )
+
+
+def decode_step(
+    config: Config,
+    hw: Hardware,
+    batch_size: int = 1,
+    context_len: int = 1,
+    dtype: DType = None,
+    kv_dtype: DType = None,
+) -> StepEstimate:
+    """One decode step of `batch_size` sequences, each attending over a cache of `context_len` tokens.
+
+    `dtype` is the weights' (default: the config's); `kv_dtype` the cache's (default: `dtype`).
+    """
+    _count("batch_size", batch_size)
+    _count("context_len", context_len)
+    return _decode(config, hw, batch_size, context_len, dtype, kv_dtype)
+
+
+def decode_step_time(
+    config: Config,
+    hw: Hardware,
+    batch_size: int = 1,
+    context_len: int = 1,
+    dtype: DType = None,
+    kv_dtype: DType = None,
+) -> float:
+    """Predicted seconds of one decode step (see `decode_step`)."""
+    return decode_step(config, hw, batch_size, context_len, dtype, kv_dtype).time_s
+
+
+def decode_tokens_per_s(
+    config: Config,
+    hw: Hardware,
+    batch_size: int = 1,
+    context_len: int = 1,
+    dtype: DType = None,
+    kv_dtype: DType = None,
+) -> float:
+    """Predicted decode throughput: `batch_size` tokens per step time."""
+    return decode_step(config, hw, batch_size, context_len, dtype, kv_dtype).tokens_per_s
+
+
+def prefill(
+    config: Config,
+    hw: Hardware,
+    batch_size: int = 1,
+    prompt_len: int = 1,
+    dtype: DType = None,
+    kv_dtype: DType = None,
+) -> StepEstimate:
+    """Prefill of `batch_size` prompts of `prompt_len` tokens: weights read once, the new cache written once."""
+    _count("batch_size", batch_size)
+    _count("prompt_len", prompt_len)
+    hw = _hardware(hw)
+    cost = model_cost(config)
+    dtype, kv_dtype = _dtypes(config, dtype, kv_dtype)
+    tokens = batch_size * prompt_len
+    weights = _weights_read(config, cost, dtype, tokens)
+    kv = kv_cache_bytes(config, prompt_len, batch_size, kv_dtype)
+    # Logits only for each prompt's last token (what generate() and serving engines compute).
+    body = cost.active_params - cost.lm_head_params
+    flops = 2 * (body * tokens + cost.lm_head_params * batch_size)
+    flops += batch_size * cost.prefill_attention_flops(prompt_len)
+    return StepEstimate(
+        compute_s=flops / hw.flops,
+        memory_s=(weights + kv) / hw.bandwidth_bytes_per_s,
+        flops=flops,
+        bytes=weights + kv,
+        weight_bytes=weights,
+        kv_bytes=kv,
+        tokens=tokens,
+    )
+
+
+def prefill_time(
+    config: Config,
+    hw: Hardware,
+    batch_size: int = 1,
+    prompt_len: int = 1,
+    dtype: DType = None,
+    kv_dtype: DType = None,
+) -> float:
+    """Predicted seconds to prefill (the time to first token, less queueing and sampling)."""
+    return prefill(config, hw, batch_size, prompt_len, dtype, kv_dtype).time_s
+
+
+def critical_batch_size(
+    config: Config, hw: Hardware, context_len: int = 1, dtype: DType = None, kv_dtype: DType = None
+) -> float | None:
+    """The batch size at which a decode step's compute term reaches its memory term; None if it never does.
+
+    A real number: decode is memory-bound below it and compute-bound above. Each sequence adds FLOPs and KV
+    bytes in a fixed ratio (the attention's intensity); when that ratio is below the hardware's ridge point,
+    as at long contexts, more sequences never make decode compute-bound.
+    """
+    _count("context_len", context_len)
+
+    def gap(batch: float) -> float:
+        step = _decode(config, hw, batch, context_len, dtype, kv_dtype)
+        return step.compute_s - step.memory_s
+
+    if gap(1.0) >= 0:
+        lo = hi = 1.0  # already compute-bound at one sequence: search below it
+        while gap(lo) >= 0:
+            lo /= 2
+            if lo < 1e-9:
+                return 0.0
+    else:
+        lo, hi = 1.0, 2.0
+        while gap(hi) < 0:
+            lo, hi = hi, hi * 2
+            if hi > 2**40:
+                return None
+    # gap is convex in the batch (linear compute, concave MoE weight reads), so it crosses zero once.
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if gap(mid) >= 0:
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-12 * hi:
+            break
+    return hi
