@@ -9,7 +9,6 @@ NOTEBOOKS := $(shell find book -name '*.ipynb' -not -path '*/_build/*' -not -pat
 export PYTHONHASHSEED := 0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
-export MPLBACKEND := Agg
 
 .PHONY: install book test lint pytest nbval smoke book-check outputs clean fork
 
@@ -46,8 +45,7 @@ smoke: install
 ## make outputs: re-execute every notebook in place (seeded, CPU) to refresh the outputs nbval compares.
 outputs: install
 	for nb in $(NOTEBOOKS); do \
-	  CUDA_VISIBLE_DEVICES= $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
-	    --ExecutePreprocessor.timeout=600 "$$nb" || exit 1; \
+	  CUDA_VISIBLE_DEVICES= $(BIN)/jupyter execute --inplace --timeout=900 "$$nb" || exit 1; \
 	done
 
 ## make fork REPO=https://github.com/you/kvlab: point launch buttons and Colab installs at a fork.

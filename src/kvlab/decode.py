@@ -62,7 +62,7 @@ class StepCost:
     history: int  # tokens already in the context before this step
     cached_flops: int
     uncached_flops: int
-    cached_seconds: float  # median of repeats
+    cached_seconds: float  # fastest of the repeats: least disturbed by other work on the machine
     uncached_seconds: float
 
 

@@ -47,7 +47,7 @@ class Table:
 
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
-        return f"{value:,.3g}" if abs(value) < 1e4 else f"{value:,.0f}"
+        return f"{value:,.3g}" if abs(value) < 100 else f"{value:,.0f}"
     if isinstance(value, int) and not isinstance(value, bool):
         return f"{value:,}"
     if isinstance(value, tuple):

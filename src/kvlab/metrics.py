@@ -1,0 +1,120 @@
+"""Serving metrics of finished requests, under the names vLLM's serving benchmark prints.
+
+A request's timeline: it arrives, waits, its first token appears (TTFT = first token - arrival), then one token
+at a time (ITL = the gaps between consecutive tokens), until it finishes (E2EL = finish - arrival). TPOT is the
+mean time per output token after the first: (E2EL - TTFT) / (output tokens - 1). Goodput counts only requests
+that meet every latency target. Times are seconds in; the summary reports milliseconds, like
+`vllm bench serve` (keys such as `mean_ttft_ms`, `p99_itl_ms`, `request_throughput`, `output_throughput`).
+The functions take any objects with `RequestMetrics`' fields, so a measured engine, a simulator or a roofline model
+can all be summarised the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvlab.measure import percentiles
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (seconds, one clock) and counts of one request."""
+
+    arrival_time: float
+    num_prompt_tokens: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # when each output token appeared
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_preemptions: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_times)
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float:
+        return self.finish_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float:
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def itls(self) -> list[float]:
+        """Inter-token latencies: the gap before each output token after the first."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first; None for single-token outputs (vLLM leaves them out)."""
+        n = self.num_output_tokens
+        return (self.e2e_latency - self.ttft) / (n - 1) if n > 1 else None
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Latency targets in milliseconds for goodput; None means no target on that metric."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+    def met_by(self, m: RequestMetrics) -> bool:
+        checks = [(self.ttft_ms, m.ttft), (self.tpot_ms, m.tpot or 0.0), (self.e2el_ms, m.e2e_latency)]
+        return all(target is None or value * 1e3 <= target for target, value in checks)
+
+
+def duration(requests: Sequence[RequestMetrics]) -> float:
+    """Seconds from the first arrival to the last finish: the benchmark's wall time."""
+    return max(r.finish_time for r in requests) - min(r.arrival_time for r in requests)
+
+
+def _stats(name: str, seconds: Sequence[float], qs: Sequence[float]) -> dict[str, float]:
+    if not len(seconds):
+        return {f"mean_{name}_ms": 0.0, f"median_{name}_ms": 0.0, f"std_{name}_ms": 0.0} | {
+            f"p{q:g}_{name}_ms": 0.0 for q in qs
+        }
+    ms = np.asarray(seconds, dtype=float) * 1e3
+    out = {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms))}
+    out[f"std_{name}_ms"] = float(ms.std())
+    out |= {f"{key}_{name}_ms": value for key, value in percentiles(ms, qs).items()}
+    return out
+
+
+def summarize(
+    requests: Sequence[RequestMetrics],
+    elapsed: float | None = None,
+    slo: SLO | None = None,
+    qs: Sequence[float] = (50, 95, 99),
+) -> dict[str, float]:
+    """vLLM-style benchmark summary of finished requests; `elapsed` defaults to `duration(requests)`."""
+    if not requests:
+        raise ValueError("summarize needs at least one finished request")
+    elapsed = duration(requests) if elapsed is None else elapsed
+    inputs = sum(r.num_prompt_tokens for r in requests)
+    outputs = sum(r.num_output_tokens for r in requests)
+    out: dict[str, float] = {
+        "completed": len(requests),
+        "duration": elapsed,
+        "total_input_tokens": inputs,
+        "total_output_tokens": outputs,
+        "request_throughput": len(requests) / elapsed,
+        "output_throughput": outputs / elapsed,
+        "total_token_throughput": (inputs + outputs) / elapsed,
+    }
+    if slo is not None:
+        out["request_goodput"] = sum(slo.met_by(r) for r in requests) / elapsed
+    out |= _stats("ttft", [r.ttft for r in requests], qs)
+    out |= _stats("tpot", [r.tpot for r in requests if r.tpot is not None], qs)
+    out |= _stats("itl", [gap for r in requests for gap in r.itls], qs)
+    out |= _stats("e2el", [r.e2e_latency for r in requests], qs)
+    return out

@@ -1,0 +1,79 @@
+"""One request as the engine tracks it: its tokens, how many are in the cache, and where they live."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from itertools import count
+
+from kvlab.metrics import RequestMetrics
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 is greedy
+    ignore_eos: bool = False
+    seed: int | None = None  # for temperature > 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1 or self.temperature < 0:
+            raise ValueError(f"need max_tokens >= 1 and temperature >= 0, got {self.max_tokens}, {self.temperature}")
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Tokens so far (prompt then output) and the cache state behind them.
+
+    `num_computed_tokens` tokens have K/V in the pool; the rest are fed at the next steps. Preemption by recompute
+    sets it back to 0, keeping the tokens, so the sequence re-enters as one longer prompt.
+    """
+
+    token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = 0.0
+    request_id: str | None = None
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of full blocks of token_ids, filled lazily
+    finish_reason: str | None = None  # "stop" (eos), "length" (max_tokens / max_model_len), "error"
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError("a prompt needs at least one token")
+        self.token_ids = list(self.token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.request_id = str(self.seq_id) if self.request_id is None else self.request_id
+        self.metrics = RequestMetrics(self.arrival_time, self.num_prompt_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED

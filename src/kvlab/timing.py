@@ -1,0 +1,108 @@
+"""Timing real prefill and decode steps of a transformers model with a `DynamicCache`.
+
+These are the measured side of the roofline (`kvlab.roofline`): time to first token against prompt length,
+one decode step (the inter-token latency) against context and batch. Inputs are seeded random token ids; the
+step time of a dense model does not depend on which tokens they are.
+Chapters: *Why decode is bandwidth-bound*, *Capacity planning*.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from kvlab.arch import describe
+from kvlab.measure import Timer, percentiles
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    batch_size: int
+    tokens: int  # context_len for a decode step, prompt_len for a prefill
+    seconds: tuple[float, ...]  # one per timed repeat
+
+    @property
+    def median_s(self) -> float:
+        return percentiles(self.seconds, (50,))["p50"]
+
+    @property
+    def best_s(self) -> float:
+        return min(self.seconds)
+
+
+def _check(name: str, value: int, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _ids(model: PreTrainedModel, batch_size: int, length: int, seed: int) -> torch.Tensor:
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    ids = torch.randint(0, vocab, (batch_size, length), generator=torch.Generator().manual_seed(seed))
+    return ids.to(model.device)
+
+
+@torch.inference_mode()
+def measure_decode_step(
+    model: PreTrainedModel,
+    batch_size: int = 1,
+    context_len: int = 1,
+    repeat: int = 5,
+    warmup: int = 2,
+    seed: int = 0,
+) -> StepTiming:
+    """Seconds of single-token decode steps of `batch_size` sequences over a cache of `context_len` tokens.
+
+    The cache is prefilled with `context_len - 1` tokens; each step appends one (so it attends over
+    `context_len`, as `kvlab.roofline.decode_step` counts), then the cache is cropped back so every repeat
+    sees the same length. Only the forward pass is timed. Where a sliding-window layer is already full the
+    cache cannot be cropped; its full-attention layers then grow by one token per repeat.
+    """
+    _check("batch_size", batch_size)
+    _check("context_len", context_len)
+    _check("repeat", repeat)
+    _check("warmup", warmup, 0)
+    ids = _ids(model, batch_size, context_len, seed)
+    cache = DynamicCache(config=model.config)
+    if context_len > 1:
+        model(ids[:, :-1], cache=cache, use_cache=True, logits_to_keep=1)
+    windows = [layer.window for layer in describe(model.config).layers if layer.kind == "sliding"]
+    crop = all(context_len < window for window in windows)
+    times = []
+    for i in range(warmup + repeat):
+        with Timer(model.device) as timer:
+            model(ids[:, -1:], cache=cache, use_cache=True)
+        if crop:
+            cache.crop(-1)
+        if i >= warmup:
+            times.append(timer.seconds)
+    return StepTiming(batch_size, context_len, tuple(times))
+
+
+@torch.inference_mode()
+def measure_prefill(
+    model: PreTrainedModel,
+    batch_size: int = 1,
+    prompt_len: int = 1,
+    repeat: int = 3,
+    warmup: int = 1,
+    seed: int = 0,
+) -> StepTiming:
+    """Seconds to prefill `batch_size` prompts of `prompt_len` tokens into a fresh cache (logits of the last
+    token only, as generation computes them): the time to first token without queueing or sampling."""
+    _check("batch_size", batch_size)
+    _check("prompt_len", prompt_len)
+    _check("repeat", repeat)
+    _check("warmup", warmup, 0)
+    ids = _ids(model, batch_size, prompt_len, seed)
+    times = []
+    for i in range(warmup + repeat):
+        cache = DynamicCache(config=model.config)
+        with Timer(model.device) as timer:
+            model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+        if i >= warmup:
+            times.append(timer.seconds)
+        del cache
+    return StepTiming(batch_size, prompt_len, tuple(times))
