@@ -139,7 +139,9 @@ class BlockManager:
         hits = self.cached_prefix(seq)
         cached = len(hits) * self.block_size
         num_new_tokens = min(num_new_tokens, seq.num_tokens - cached)
-        revived = sum(self.allocator.ref_counts[b] == 0 for b in hits)  # cached but free: they leave the free list
+        revived = sum(
+            self.allocator.ref_counts[b] == 0 for b in hits
+        )  # cached but free: they leave the free list
         fresh = blocks_for(cached + num_new_tokens, self.block_size) - len(hits)
         if revived + fresh > self.num_free_blocks:
             return None
@@ -161,14 +163,20 @@ class BlockManager:
         if needed > self.num_free_blocks:
             return False
         seq.block_table.extend(self.allocator.allocate() for _ in range(needed))
+        self._cache_full_blocks(seq, seq.num_computed_tokens + num_new_tokens)
         return True
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Publish blocks that are now full of computed tokens, so later requests can share them."""
+    def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Publish the blocks that `num_tokens` tokens fill, so other requests can share them.
+
+        As in vLLM, this happens when the tokens are scheduled, not after they are computed: a request admitted
+        later in the same step can already share them, because each layer writes the whole step's K/V to the pool
+        before any sequence attends.
+        """
         if not self.enable_prefix_caching:
             return
         hashes = self._hashes(seq)
-        for i in range(seq.num_computed_tokens // self.block_size):
+        for i in range(num_tokens // self.block_size):
             block_id = seq.block_table[i]
             if self.allocator.hashes[block_id] is None and hashes[i] not in self.cached:
                 self.allocator.hashes[block_id] = hashes[i]
@@ -202,7 +210,9 @@ class ContiguousBlockManager(BlockManager):
         super().__init__(num_blocks, block_size, enable_prefix_caching=False)
         self.reserve_blocks = blocks_for(max_model_len, block_size)
         if self.reserve_blocks > num_blocks:
-            raise ValueError(f"max_model_len={max_model_len} does not fit in {num_blocks} blocks of {block_size}")
+            raise ValueError(
+                f"max_model_len={max_model_len} does not fit in {num_blocks} blocks of {block_size}"
+            )
 
     def _first_fit(self) -> int | None:
         run = 0

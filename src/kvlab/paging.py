@@ -43,10 +43,14 @@ class KVShape:
     def from_config(cls, config: PretrainedConfig) -> KVShape:
         spec = describe(config)
         if any(layer.kind not in ("full", "sliding") for layer in spec.layers):
-            raise ValueError(f"{spec.model_type}: the paged cache supports per-head K/V layers only (not MLA)")
+            raise ValueError(
+                f"{spec.model_type}: the paged cache supports per-head K/V layers only (not MLA)"
+            )
         shapes = {(layer.kv_heads, layer.head_dim, layer.v_head_dim) for layer in spec.layers}
         if len(shapes) != 1 or next(iter(shapes))[1] != next(iter(shapes))[2]:
-            raise ValueError(f"{spec.model_type}: layers must share one K/V shape to share a pool, got {shapes}")
+            raise ValueError(
+                f"{spec.model_type}: layers must share one K/V shape to share a pool, got {shapes}"
+            )
         kv_heads, head_dim, _ = shapes.pop()
         return cls(spec.num_layers, kv_heads, head_dim)
 
@@ -66,7 +70,14 @@ class KVPool:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.shape, self.num_blocks, self.block_size = shape, num_blocks, block_size
         self.kv = torch.zeros(
-            shape.num_layers, 2, num_blocks, block_size, shape.kv_heads, shape.head_dim, dtype=dtype, device=device
+            shape.num_layers,
+            2,
+            num_blocks,
+            block_size,
+            shape.kv_heads,
+            shape.head_dim,
+            dtype=dtype,
+            device=device,
         )
 
     @staticmethod

@@ -18,7 +18,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1 or self.temperature < 0:
-            raise ValueError(f"need max_tokens >= 1 and temperature >= 0, got {self.max_tokens}, {self.temperature}")
+            raise ValueError(
+                f"need max_tokens >= 1 and temperature >= 0, got {self.max_tokens}, {self.temperature}"
+            )
 
 
 class Status(Enum):

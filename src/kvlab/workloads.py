@@ -1,0 +1,86 @@
+"""Seeded synthetic request traces: Poisson arrivals, dataset-like lengths, optional shared system prompts.
+
+Length means come from the PagedAttention paper (Kwon et al., 2023, arXiv:2309.06180, §6.1 and Fig. 11), which
+samples requests from ShareGPT and Alpaca: ShareGPT averages 161.31 input and 337.99 output tokens, Alpaca 19.31
+and 58.45 (the paper's text: ShareGPT has 8.4× longer inputs and 5.8× longer outputs; 161.31 / 19.31 = 8.35 and
+337.99 / 58.45 = 5.78 agree). The paper shows the distributions, not their shapes' parameters; we draw lognormal
+lengths with those means (long right tails, like Fig. 11) and a spread we chose. `scale` shrinks every length
+for CPU-sized runs while keeping the shape. Token ids are random; the engine's work does not depend on which.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class LengthProfile:
+    name: str
+    mean_input: float
+    mean_output: float
+    sigma: float  # of the underlying normal: the spread of the lognormal
+
+
+SHAREGPT = LengthProfile("sharegpt", 161.31, 337.99, sigma=0.9)
+ALPACA = LengthProfile("alpaca", 19.31, 58.45, sigma=0.6)
+PROFILES = {p.name: p for p in (SHAREGPT, ALPACA)}
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    arrival_time: float  # seconds after the trace starts
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int  # output length the request will generate (eos ignored, as in vLLM's benchmarks)
+    shares_prefix: bool = False
+
+
+def poisson_arrivals(n: int, rate: float, rng: np.random.Generator) -> np.ndarray:
+    """`n` arrival times of a Poisson process of `rate` requests/s; `rate=inf` puts all at t=0."""
+    if rate <= 0:
+        raise ValueError(f"request rate must be positive, got {rate}")
+    if math.isinf(rate):
+        return np.zeros(n)
+    return np.cumsum(rng.exponential(1.0 / rate, size=n))
+
+
+def lognormal_lengths(
+    n: int, mean: float, sigma: float, rng: np.random.Generator, cap: int | None
+) -> np.ndarray:
+    """Integer lengths >= 1 from a lognormal with the given mean (before rounding and the cap)."""
+    mu = math.log(mean) - sigma**2 / 2  # E[exp(N(mu, sigma))] = exp(mu + sigma^2 / 2)
+    lengths = np.maximum(1, np.rint(rng.lognormal(mu, sigma, size=n))).astype(int)
+    return lengths if cap is None else np.minimum(lengths, cap)
+
+
+def synthetic_trace(
+    num_requests: int,
+    dataset: str | LengthProfile = "sharegpt",
+    request_rate: float = math.inf,
+    scale: float = 1.0,
+    vocab_size: int = 256,
+    seed: int = 0,
+    shared_prefix_len: int = 0,
+    shared_prefix_fraction: float = 0.0,
+    max_input_len: int | None = None,
+    max_output_len: int | None = None,
+) -> list[TraceRequest]:
+    """A seeded trace. A `shared_prefix_fraction` of the requests start with one common system prompt of
+    `shared_prefix_len` tokens, put before their own prompt (so their input is that much longer)."""
+    profile = PROFILES[dataset] if isinstance(dataset, str) else dataset
+    if not 0.0 <= shared_prefix_fraction <= 1.0 or scale <= 0 or num_requests < 1:
+        raise ValueError("need num_requests >= 1, scale > 0 and 0 <= shared_prefix_fraction <= 1")
+    rng = np.random.default_rng(seed)
+    arrivals = poisson_arrivals(num_requests, request_rate, rng)
+    inputs = lognormal_lengths(num_requests, profile.mean_input * scale, profile.sigma, rng, max_input_len)
+    outputs = lognormal_lengths(num_requests, profile.mean_output * scale, profile.sigma, rng, max_output_len)
+    # Ids from 2 up: tiny models use 0 and 1 as bos and eos.
+    prefix = tuple(int(t) for t in rng.integers(2, vocab_size, size=shared_prefix_len))
+    sharing = rng.random(num_requests) < shared_prefix_fraction
+    trace = []
+    for t, n_in, n_out, shares in zip(arrivals, inputs, outputs, sharing, strict=True):
+        own = tuple(int(x) for x in rng.integers(2, vocab_size, size=n_in))
+        trace.append(TraceRequest(float(t), (prefix if shares else ()) + own, int(n_out), bool(shares)))
+    return trace
