@@ -51,7 +51,7 @@ class RequestMetrics:
     @property
     def itls(self) -> list[float]:
         """Inter-token latencies: the gap before each output token after the first."""
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
 
     @property
     def tpot(self) -> float | None:
