@@ -1,0 +1,137 @@
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlab.block_manager import BlockAllocator, BlockManager, ContiguousBlockManager
+from kvlab.sequence import Sequence
+
+
+def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
+    alloc = bm.allocator
+    assert all(r >= 0 for r in alloc.ref_counts)
+    assert bm.num_free_blocks + bm.num_used_blocks == bm.num_blocks
+    # A block is free exactly when nobody references it, and its count is the number of tables holding it.
+    holders = [0] * bm.num_blocks
+    for seq in live:
+        assert len(set(seq.block_table)) == len(seq.block_table)
+        for block_id in seq.block_table:
+            holders[block_id] += 1
+    assert holders == alloc.ref_counts
+    assert set(alloc.free) == {b for b, r in enumerate(alloc.ref_counts) if r == 0}
+    # The prefix cache maps each hash to a block carrying that hash.
+    assert all(alloc.hashes[b] == h for h, b in bm.cached.items())
+
+
+# An operation: (kind, sequence slot, a number). Tokens come from a 2-letter alphabet so prefixes repeat.
+ops = st.lists(
+    st.tuples(st.sampled_from(["admit", "grow", "free"]), st.integers(0, 5), st.integers(1, 12)), max_size=40
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=ops, prefix_caching=st.booleans(), block_size=st.sampled_from([1, 2, 4]))
+def test_block_manager_never_leaks(ops, prefix_caching, block_size):
+    bm = BlockManager(num_blocks=12, block_size=block_size, enable_prefix_caching=prefix_caching)
+    slots: dict[int, Sequence] = {}
+    for kind, slot, n in ops:
+        seq = slots.get(slot)
+        if kind == "admit" and seq is None:
+            seq = Sequence([2 + (slot * i) % 2 for i in range(n)])
+            if bm.allocate(seq, n) is not None:
+                slots[slot] = seq
+                assert seq.num_computed_tokens % block_size == 0 and seq.num_computed_tokens < seq.num_tokens
+        elif kind == "grow" and seq is not None:
+            # Compute what was scheduled, then ask for `n` more generated tokens' slots.
+            seq.num_computed_tokens = len(seq.block_table) * block_size
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+            seq.token_ids.extend([3] * n)
+            if not bm.append_slots(seq, seq.num_uncomputed_tokens):
+                bm.free(seq)
+                del slots[slot]
+        elif kind == "free" and seq is not None:
+            bm.free(seq)
+            del slots[slot]
+        check_invariants(bm, list(slots.values()))
+    for seq in slots.values():
+        bm.free(seq)
+    check_invariants(bm, [])
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=ops)
+def test_contiguous_manager_reserves_runs_and_never_leaks(ops):
+    bm = ContiguousBlockManager(num_blocks=16, block_size=2, max_model_len=7)
+    slots: dict[int, Sequence] = {}
+    for kind, slot, n in ops:
+        seq = slots.get(slot)
+        if kind == "admit" and seq is None:
+            seq = Sequence([5] * min(n, 6))
+            if bm.allocate(seq, n) is not None:
+                slots[slot] = seq
+                table = seq.block_table
+                assert table == list(range(table[0], table[0] + 4))  # one run of ceil(7 / 2) blocks
+        elif kind == "free" and seq is not None:
+            bm.free(seq)
+            del slots[slot]
+        check_invariants(bm, list(slots.values()))
+    for seq in slots.values():
+        bm.free(seq)
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.booleans(), max_size=60))
+def test_allocator_counts(actions):
+    alloc = BlockAllocator(5)
+    held: list[int] = []
+    for take in actions:
+        if take and alloc.num_free_blocks:
+            held.append(alloc.allocate())
+        elif held:
+            alloc.release(held.pop(0))
+        assert alloc.num_free_blocks + len(held) == 5
+    for block_id in held:
+        alloc.release(block_id)
+    assert alloc.num_free_blocks == 5
+    with pytest.raises(ValueError):
+        alloc.release(0)
+
+
+def test_prefix_hits_need_the_whole_chain():
+    bm = BlockManager(num_blocks=16, block_size=2, enable_prefix_caching=True)
+    first = Sequence([7, 8, 9, 10, 11])
+    assert bm.allocate(first, 5) == 5
+    same_head = Sequence([7, 8, 9, 10, 12, 13])
+    assert bm.cached_prefix(same_head) == first.block_table[:2]
+    # Block [9, 10] alone matches, but its parent differs: no hit.
+    assert bm.cached_prefix(Sequence([1, 2, 9, 10, 11])) == []
+    # A prompt made only of cached blocks still computes its last token.
+    assert bm.cached_prefix(Sequence([7, 8, 9, 10])) == first.block_table[:1]
+
+
+def test_freed_cached_blocks_are_reused_then_evicted_lru():
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    a = Sequence([1, 2, 3, 4, 5])
+    bm.allocate(a, 5)
+    bm.free(a)
+    assert bm.num_free_blocks == 4 and len(bm.cached) == 2
+    b = Sequence([1, 2, 3, 4, 6])
+    assert bm.allocate(b, 5) == 1  # four tokens came from the cache
+    assert b.metrics.num_cached_tokens == 0  # the scheduler records it, not the manager
+    assert (bm.prefix_hit_tokens, bm.prefix_query_tokens, bm.prefix_hit_requests) == (4, 10, 1)
+    bm.free(b)
+    # New content needs all 4 blocks: the cached ones are evicted, oldest-freed first, and forgotten.
+    c = Sequence([9] * 8)
+    assert bm.allocate(c, 8) == 8
+    assert bm.cached_prefix(Sequence([1, 2, 3, 4, 5])) == []
+
+
+def test_allocation_is_all_or_nothing():
+    bm = BlockManager(num_blocks=3, block_size=2)
+    seq = Sequence([1] * 5)
+    assert bm.allocate(seq, 5) == 5
+    assert bm.num_free_blocks == 0
+    other = Sequence([2] * 3)
+    assert bm.allocate(other, 3) is None
+    assert other.block_table == [] and bm.num_free_blocks == 0
