@@ -37,7 +37,15 @@ from transformers import PretrainedConfig
 
 from kvlab import hardware
 from kvlab.arch import ArchSpec, LayerSpec, describe, get_config
-from kvlab.sizing import DType, _config_dtype, dtype_bytes, kv_cache_bytes, param_count, weight_bytes
+from kvlab.sizing import (
+    DType,
+    _check_count,
+    _config_dtype,
+    dtype_bytes,
+    kv_cache_bytes,
+    param_count,
+    weight_bytes,
+)
 
 Hardware = hardware.Accelerator | hardware.Measurement | str
 Config = PretrainedConfig | str
@@ -198,12 +206,6 @@ def _hardware(hw: Hardware) -> hardware.Accelerator | hardware.Measurement:
     return hw
 
 
-def _count(name: str, value: int, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 def _dtypes(config: Config, dtype: DType, kv_dtype: DType) -> tuple[DType, DType]:
     config = get_config(config) if isinstance(config, str) else config
     dtype = _config_dtype(config) if dtype is None else dtype
@@ -253,8 +255,8 @@ def decode_step(
 
     `dtype` is the weights' (default: the config's); `kv_dtype` the cache's (default: `dtype`).
     """
-    _count("batch_size", batch_size)
-    _count("context_len", context_len)
+    _check_count("batch_size", batch_size)
+    _check_count("context_len", context_len)
     return _decode(config, hw, batch_size, context_len, dtype, kv_dtype)
 
 
@@ -270,18 +272,6 @@ def decode_step_time(
     return decode_step(config, hw, batch_size, context_len, dtype, kv_dtype).time_s
 
 
-def decode_tokens_per_s(
-    config: Config,
-    hw: Hardware,
-    batch_size: int = 1,
-    context_len: int = 1,
-    dtype: DType = None,
-    kv_dtype: DType = None,
-) -> float:
-    """Predicted decode throughput: `batch_size` tokens per step time."""
-    return decode_step(config, hw, batch_size, context_len, dtype, kv_dtype).tokens_per_s
-
-
 def prefill(
     config: Config,
     hw: Hardware,
@@ -291,8 +281,8 @@ def prefill(
     kv_dtype: DType = None,
 ) -> StepEstimate:
     """Prefill of `batch_size` prompts of `prompt_len` tokens: weights read once, the new cache written once."""
-    _count("batch_size", batch_size)
-    _count("prompt_len", prompt_len)
+    _check_count("batch_size", batch_size)
+    _check_count("prompt_len", prompt_len)
     hw = _hardware(hw)
     cost = model_cost(config)
     dtype, kv_dtype = _dtypes(config, dtype, kv_dtype)
@@ -335,7 +325,7 @@ def critical_batch_size(
     bytes in a fixed ratio (the attention's intensity); when that ratio is below the hardware's ridge point,
     as at long contexts, more sequences never make decode compute-bound.
     """
-    _count("context_len", context_len)
+    _check_count("context_len", context_len)
 
     def gap(batch: float) -> float:
         step = _decode(config, hw, batch, context_len, dtype, kv_dtype)

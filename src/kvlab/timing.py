@@ -15,6 +15,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from kvlab.arch import describe
 from kvlab.measure import Timer, percentiles
+from kvlab.sizing import _check_count
 
 
 @dataclass(frozen=True)
@@ -30,12 +31,6 @@ class StepTiming:
     @property
     def best_s(self) -> float:
         return min(self.seconds)
-
-
-def _check(name: str, value: int, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 def _ids(model: PreTrainedModel, batch_size: int, length: int, seed: int) -> torch.Tensor:
@@ -60,10 +55,10 @@ def measure_decode_step(
     sees the same length. Only the forward pass is timed. Where a sliding-window layer is already full the
     cache cannot be cropped; its full-attention layers then grow by one token per repeat.
     """
-    _check("batch_size", batch_size)
-    _check("context_len", context_len)
-    _check("repeat", repeat)
-    _check("warmup", warmup, 0)
+    _check_count("batch_size", batch_size)
+    _check_count("context_len", context_len)
+    _check_count("repeat", repeat)
+    _check_count("warmup", warmup, 0)
     ids = _ids(model, batch_size, context_len, seed)
     cache = DynamicCache(config=model.config)
     if context_len > 1:
@@ -92,10 +87,10 @@ def measure_prefill(
 ) -> StepTiming:
     """Seconds to prefill `batch_size` prompts of `prompt_len` tokens into a fresh cache (logits of the last
     token only, as generation computes them): the time to first token without queueing or sampling."""
-    _check("batch_size", batch_size)
-    _check("prompt_len", prompt_len)
-    _check("repeat", repeat)
-    _check("warmup", warmup, 0)
+    _check_count("batch_size", batch_size)
+    _check_count("prompt_len", prompt_len)
+    _check_count("repeat", repeat)
+    _check_count("warmup", warmup, 0)
     ids = _ids(model, batch_size, prompt_len, seed)
     times = []
     for i in range(warmup + repeat):

@@ -1,0 +1,55 @@
+"""The spec table in the right units, and measured ceilings that make sense on this machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab import hardware
+
+
+@pytest.mark.parametrize("name", hardware.names())
+def test_spec_units_are_plausible(name):
+    hw = hardware.get(name)
+    assert 8e9 <= hw.memory_bytes <= 300e9, "memory in bytes (SI GB × 1e9)"
+    assert 1e11 <= hw.bandwidth_bytes_per_s <= 1e13, "bandwidth in bytes/s"
+    assert 1e13 <= hw.bf16_flops <= 1e16, "dense FLOP/s"
+    assert hw.flops == hw.bf16_flops
+    assert hw.host_link_bytes_per_s < hw.bandwidth_bytes_per_s, "PCIe is slower than device memory"
+    if hw.interconnect_bytes_per_s is not None:
+        assert hw.host_link_bytes_per_s < hw.interconnect_bytes_per_s <= hw.bandwidth_bytes_per_s
+    # Ridge points of data-centre GPUs sit between ~100 and ~500 FLOP/byte.
+    assert 100 <= hw.ridge_flops_per_byte <= 500
+    assert hw.source
+
+
+def test_spec_table_known_values():
+    h100 = hardware.get("h100-sxm")  # case-insensitive
+    assert (h100.memory_bytes, h100.bandwidth_bytes_per_s, h100.bf16_flops) == (80e9, 3.35e12, 989.4e12)
+    assert h100.ridge_flops_per_byte == pytest.approx(295, rel=0.01)
+    with pytest.raises(KeyError, match="H100-SXM"):
+        hardware.get("Z100")
+
+
+def test_measure_on_cpu_is_sane():
+    m = hardware.measure("cpu", size_bytes=32 * 2**20, matmul_size=256, repeat=3)
+    assert m.flops_dtype == "float32" and m.matmul_size == 256 and m.copy_bytes == 32 * 2**20
+    assert 1e8 < m.bandwidth_bytes_per_s < 1e13
+    assert 1e8 < m.flops < 1e15
+    assert m.bf16_flops == m.flops  # stands in for a spec entry under the same name
+    assert m.ridge_flops_per_byte == pytest.approx(m.flops / m.bandwidth_bytes_per_s)
+    assert m.memory_bytes > 2**30 and m.host_link_bytes_per_s is None
+    assert "CPU" in m.name
+
+
+def test_measure_other_dtype():
+    m = hardware.measure("cpu", size_bytes=2**20, matmul_size=128, dtype=torch.bfloat16, repeat=1)
+    assert m.flops_dtype == "bfloat16" and m.flops > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(size_bytes=1000), dict(size_bytes=-(2**20)), dict(matmul_size=0), dict(repeat=0)]
+)
+def test_measure_rejects_bad_sizes(kwargs):
+    with pytest.raises(ValueError):
+        hardware.measure("cpu", **kwargs)
