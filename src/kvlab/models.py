@@ -163,3 +163,52 @@ def load_model(
             "directory written by save_pretrained, or use kvlab.models.tiny_model for a random model."
         ) from None
     return model.to(pick_device(device)).eval()
+
+
+def scaled_down(
+    name: str, *, layers: int = 6, hidden: int = 64, heads: int = 8, window: int = 16, vocab: int = 256
+) -> PretrainedConfig:
+    """A tiny config with the registry model's family, attention type and layer pattern.
+
+    MHA/GQA/MQA/MLA stays what it is (GQA keeps 4 query heads per KV head, or the model's own ratio if smaller),
+    sliding layers keep their place in the pattern with a `window`-token window, MLA keeps a latent.
+    """
+    from kvlab.arch import describe, get_config
+
+    config = get_config(name)
+    text = config.get_text_config(decoder=True)
+    spec = describe(config)
+    family = "gemma3_text" if text.model_type == "gemma3_text" else text.model_type
+    if family not in FAMILIES:
+        raise ValueError(f"{name!r} is a {family!r} model; tiny models exist for {', '.join(FAMILIES)}")
+    kinds = [layer.kind for layer in spec.layers]
+    kv_heads = {"MHA": heads, "MQA": 1, "MLA": heads}.get(
+        spec.attention_type, max(1, heads // min(4, spec.num_attention_heads // spec.kv_heads))
+    )
+    knobs: dict[str, Any] = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab)
+    if "sliding" in kinds:
+        knobs["window"] = window
+    if family == "gemma3_text":
+        knobs["sliding_window_pattern"] = kinds.index("full") + 1
+    return tiny_config(family, **knobs)
+
+
+def equal_param_configs(family: str, kv_heads_options: list[int], **knobs: Any) -> list[PretrainedConfig]:
+    """One config per KV-head count, with the MLP width adjusted so all have the first one's parameter count.
+
+    Fewer KV heads shrink the K and V projections; the freed parameters go to the MLP, so the comparison is at
+    equal model size, as in the grouped-query attention paper (Ainslie et al., 2023, arXiv:2305.13245).
+    """
+    from kvlab.sizing import param_count
+
+    hidden = knobs.get("hidden", 64)
+    base = knobs.pop("intermediate", None) or 2 * hidden
+    target = param_count(tiny_config(family, kv_heads=kv_heads_options[0], intermediate=base, **knobs))
+    configs = []
+    for kv_heads in kv_heads_options:
+        # Parameters are affine in the MLP width: solve p(base) + slope * (width - base) = target.
+        p0 = param_count(tiny_config(family, kv_heads=kv_heads, intermediate=base, **knobs))
+        p1 = param_count(tiny_config(family, kv_heads=kv_heads, intermediate=base + 1, **knobs))
+        width = base + round((target - p0) / (p1 - p0))
+        configs.append(tiny_config(family, kv_heads=kv_heads, intermediate=width, **knobs))
+    return configs

@@ -8,7 +8,7 @@ import matplotlib as mpl
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter
+from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
 from kvlab.units import format_bytes
 
@@ -48,8 +48,13 @@ def figure(ncols: int = 1, nrows: int = 1, **kwargs) -> tuple[Figure, Axes | Seq
 
 def bytes_axis(ax: Axes, axis: str = "y") -> None:
     """Label ticks of `axis` ("x" or "y") in KiB/MiB/GiB."""
-    formatter = FuncFormatter(lambda value, _pos: format_bytes(value, 3) if value >= 0 else "")
-    (ax.yaxis if axis == "y" else ax.xaxis).set_major_formatter(formatter)
+    target = ax.yaxis if axis == "y" else ax.xaxis
+    if target.get_scale() == "log":  # powers of 4 land on round binary sizes: 1 KiB, 4 KiB, 16 KiB, ...
+        target.set_major_locator(LogLocator(base=4, numticks=12))
+        target.set_minor_locator(NullLocator())
+    target.set_major_formatter(
+        FuncFormatter(lambda value, _pos: format_bytes(value, 3) if value >= 0 else "")
+    )
 
 
 def predicted_vs_measured(

@@ -10,6 +10,7 @@ Chapter: *Sizing the cache* (book/02_sizing).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -164,3 +165,47 @@ def crossover_context(
         else:
             lo = mid
     return hi
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """The numbers the sizing chapter tabulates for one model."""
+
+    name: str
+    attention_type: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    kv_bytes_per_token: int
+    params: int
+    weight_bytes: int
+    max_context: int | None
+
+
+def model_size(
+    config: PretrainedConfig | str, kv_dtype: DType = "bf16", weight_dtype: DType | int = "bf16"
+) -> ModelSize:
+    config = get_config(config) if isinstance(config, str) else config
+    spec = describe(config)
+    text = config.get_text_config(decoder=True)
+    return ModelSize(
+        name=spec.name,
+        attention_type=spec.attention_type,
+        layers=spec.num_layers,
+        kv_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        kv_bytes_per_token=kv_bytes_per_token(config, kv_dtype),
+        params=param_count(config),
+        weight_bytes=weight_bytes(config, weight_dtype),
+        max_context=getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None),
+    )
+
+
+def rank_inversions(sizes: list[ModelSize]) -> list[tuple[ModelSize, ModelSize]]:
+    """Pairs (small, big) where the model with fewer parameters needs more KV bytes per token."""
+    return [
+        (a, b)
+        for a in sizes
+        for b in sizes
+        if a.params < b.params and a.kv_bytes_per_token > b.kv_bytes_per_token
+    ]
