@@ -69,7 +69,10 @@ def test_paged_attention_matches_contiguous_sdpa(window):
         sliding_window=window,
     )
     expected = torch.cat(
-        [_reference(q, k, v, n, window)[0].transpose(0, 1) for q, k, v, (_, n) in zip(queries, full_k, full_v, plan)]
+        [
+            _reference(q, k, v, n, window)[0].transpose(0, 1)
+            for q, k, v, (_, n) in zip(queries, full_k, full_v, plan)
+        ]
     )
     assert out.shape == (1, sum(n for _, n in plan), HEADS, HEAD_DIM)
     assert (out[0] - expected).abs().max().item() < 1e-5
@@ -93,10 +96,14 @@ def test_pool_bytes_per_token_equals_sizing(family):
         assert KVPool.bytes_per_token(KVShape.from_config(config), dtype) == kv_bytes_per_token(config, dtype)
 
 
-@pytest.mark.parametrize("name", ["meta-llama/Llama-3.1-8B", "Qwen/Qwen2.5-7B", "mistralai/Mixtral-8x7B-v0.1"])
+@pytest.mark.parametrize(
+    "name", ["meta-llama/Llama-3.1-8B", "Qwen/Qwen2.5-7B", "mistralai/Mixtral-8x7B-v0.1"]
+)
 def test_pool_bytes_per_token_equals_sizing_for_published_models(name):
     config = get_config(name)
-    assert KVPool.bytes_per_token(KVShape.from_config(config), torch.bfloat16) == kv_bytes_per_token(config, "bf16")
+    assert KVPool.bytes_per_token(KVShape.from_config(config), torch.bfloat16) == kv_bytes_per_token(
+        config, "bf16"
+    )
 
 
 def test_engine_pool_memory_is_blocks_times_sizing():

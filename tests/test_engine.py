@@ -1,0 +1,172 @@
+import logging
+
+import pytest
+import torch
+
+from kvlab.engine import LLMEngine, mean_kv_utilisation
+from kvlab.models import tiny_model
+from kvlab.sequence import SamplingParams
+from kvlab.workloads import synthetic_trace
+
+MAX_TOKENS = 12
+KNOBS = dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=256)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
+def family_model(request):
+    return tiny_model(request.param, **KNOBS)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama", **KNOBS)
+
+
+def random_prompts(lengths, seed=0, prefix=()):
+    gen = torch.Generator().manual_seed(seed)
+    return [list(prefix) + torch.randint(2, 256, (n,), generator=gen).tolist() for n in lengths]
+
+
+def reference(model, prompts, max_tokens=MAX_TOKENS):
+    """Greedy `model.generate`, one prompt at a time (no padding), stopping at eos like the engine."""
+    outs = []
+    for prompt in prompts:
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)
+        outs.append(ids[0, len(prompt) :].tolist())
+    return outs
+
+
+MIXED = [3, 17, 30, 9, 25]
+
+
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [
+        dict(num_blocks=64, block_size=16),  # plenty of memory
+        dict(num_blocks=12, block_size=4),  # forces preemption by recompute
+        dict(num_blocks=64, block_size=4, max_num_batched_tokens=8),  # chunked prefill
+        dict(num_blocks=64, block_size=8, scheduling="static", max_num_seqs=2),
+    ],
+    ids=["roomy", "preempt", "chunked", "static"],
+)
+def test_engine_equals_generate(family_model, engine_kwargs):
+    prompts = random_prompts(MIXED)
+    engine = LLMEngine(family_model, **engine_kwargs)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in outputs] == reference(family_model, prompts)
+    if engine_kwargs.get("num_blocks") == 12:
+        assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("num_blocks", [64, 16], ids=["roomy", "preempt"])
+def test_prefix_caching_keeps_outputs_and_hits(llama, num_blocks):
+    system = random_prompts([20], seed=1)[0]
+    prompts = random_prompts([5, 9, 3, 12, 5], seed=2, prefix=system)
+    expected = reference(llama, prompts)
+    runs = {}
+    for caching in (False, True):
+        engine = LLMEngine(llama, block_size=4, num_blocks=num_blocks, enable_prefix_caching=caching)
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+        runs[caching] = engine
+        assert [o.token_ids for o in outputs] == expected
+    bm = runs[True].block_manager
+    assert bm.prefix_hit_tokens >= 4 * 20 // 4 * 4  # every request after the first reuses the system prompt
+    assert bm.prefix_hit_requests >= 4 and 0 < bm.prefix_hit_rate < 1
+    assert runs[False].block_manager.prefix_hit_tokens == 0
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_sliding_window_mistral_equals_generate():
+    model = tiny_model("mistral", window=6, **KNOBS)
+    prompts = random_prompts([4, 15, 9])
+    engine = LLMEngine(model, block_size=4, num_blocks=32)
+    assert [
+        o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    ] == reference(model, prompts)
+
+
+def test_contiguous_baseline_same_tokens_lower_utilisation(llama):
+    trace = synthetic_trace(
+        12, "alpaca", request_rate=50.0, scale=0.5, seed=3, max_input_len=40, max_output_len=24
+    )
+    utilisation = {}
+    for layout in ("paged", "contiguous"):
+        engine = LLMEngine(
+            llama, block_size=4, num_blocks=96, max_model_len=96, kv_layout=layout, clock="virtual"
+        )
+        outputs = engine.replay(trace)
+        assert [len(o.token_ids) for o in outputs] == [r.max_tokens for r in trace]
+        utilisation[layout] = mean_kv_utilisation(engine.step_stats)
+        assert max(s.blocks_used for s in engine.step_stats) <= 96
+    assert utilisation["paged"] > 0.7 > utilisation["contiguous"]
+
+
+def test_request_that_never_fits_errors_without_blocking_others(llama):
+    engine = LLMEngine(llama, block_size=4, num_blocks=8)  # 32 tokens in all
+    prompts = random_prompts([5, 40, 6])
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=4))
+    assert outputs[1].finish_reason == "error" and "does not fit" in outputs[1].error
+    assert outputs[1].token_ids == []
+    assert [len(outputs[i].token_ids) for i in (0, 2)] == [4, 4]
+
+
+def test_generation_stops_at_max_model_len(llama):
+    engine = LLMEngine(llama, block_size=4, num_blocks=8, max_model_len=12)
+    (out,) = engine.generate(random_prompts([10]), SamplingParams(max_tokens=20, ignore_eos=True))
+    assert len(out.token_ids) == 2 and out.finish_reason == "length"
+
+
+def test_virtual_clock_replay_is_deterministic_and_records_steps(llama):
+    trace = synthetic_trace(
+        10, "alpaca", request_rate=20.0, scale=0.5, seed=4, max_input_len=30, max_output_len=20
+    )
+
+    def run():
+        engine = LLMEngine(llama, block_size=4, num_blocks=40, max_num_seqs=4, clock="virtual")
+        return engine, engine.replay(trace)
+
+    (engine, first), (_, second) = run(), run()
+    timeline = [(o.metrics.first_token_time, o.metrics.finish_time, o.metrics.token_times) for o in first]
+    assert timeline == [
+        (o.metrics.first_token_time, o.metrics.finish_time, o.metrics.token_times) for o in second
+    ]
+    for out, req in zip(first, trace):
+        m = out.metrics
+        assert m.arrival_time == pytest.approx(req.arrival_time)
+        assert m.arrival_time <= m.first_scheduled_time < m.first_token_time <= m.finish_time
+        assert len(m.itls) == len(out.token_ids) - 1 and m.ttft > 0
+    stats = engine.step_stats
+    assert max(s.num_running for s in stats) <= 4
+    assert all(s.used_token_slots <= s.reserved_token_slots == s.blocks_used * 4 for s in stats)
+    assert [s.time for s in stats] == sorted(s.time for s in stats)
+
+
+def test_add_request_and_step_with_wall_clock(llama):
+    engine = LLMEngine(llama, block_size=4, num_blocks=32)
+    first = engine.add_request(random_prompts([6])[0], SamplingParams(max_tokens=3), request_id="a")
+    engine.step()
+    engine.add_request(random_prompts([4], seed=5)[0], SamplingParams(max_tokens=2), request_id="b")
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += engine.step()
+    assert sorted(o.request_id for o in finished) == ["a", "b"]
+    assert first.is_finished and first.metrics.ttft > 0
+
+
+def test_sampling_with_temperature_is_seeded(llama):
+    engine = LLMEngine(llama, block_size=4, num_blocks=32)
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+    a, b = (engine.generate(random_prompts([5]), params)[0].token_ids for _ in range(2))
+    assert a == b and len(a) == 8
+
+
+def test_num_blocks_from_memory_budget_logs_capacity(llama, caplog):
+    with caplog.at_level(logging.INFO, logger="kvlab.engine"):
+        engine = LLMEngine(llama, block_size=16, memory_budget_bytes=8 * 2**20, max_num_batched_tokens=64)
+    weights = sum(p.numel() * p.element_size() for p in llama.parameters())
+    kv = engine.pool.nbytes
+    assert 0 < kv < 8 * 2**20 - weights
+    assert "Maximum concurrency" in caplog.text and f"{engine.block_manager.num_blocks} blocks" in caplog.text
+    with pytest.raises(ValueError, match="no room"):
+        LLMEngine(llama, memory_budget_bytes=weights)
