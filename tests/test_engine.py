@@ -131,7 +131,7 @@ def test_virtual_clock_replay_is_deterministic_and_records_steps(llama):
     assert timeline == [
         (o.metrics.first_token_time, o.metrics.finish_time, o.metrics.token_times) for o in second
     ]
-    for out, req in zip(first, trace):
+    for out, req in zip(first, trace, strict=True):
         m = out.metrics
         assert m.arrival_time == pytest.approx(req.arrival_time)
         assert m.arrival_time <= m.first_scheduled_time < m.first_token_time <= m.finish_time

@@ -54,10 +54,12 @@ def test_paged_attention_matches_contiguous_sdpa(window):
             slots = torch.tensor(slots_for(table, 0, cached, BLOCK))
             pool.write(0, slots, k[0, :, :cached].transpose(0, 1), v[0, :, :cached].transpose(0, 1))
     queries = [torch.randn(1, HEADS, new, HEAD_DIM, generator=gen) for _, new in plan]
-    slot_mapping = torch.tensor([s for (c, n), t in zip(plan, tables) for s in slots_for(t, c, c + n, BLOCK)])
+    slot_mapping = torch.tensor(
+        [s for (c, n), t in zip(plan, tables, strict=True) for s in slots_for(t, c, c + n, BLOCK)]
+    )
     ctx = PagedContext(pool, slot_mapping, [n for _, n in plan], [c + n for c, n in plan], tables)
-    step_k = torch.cat([k[:, :, c:] for k, (c, _) in zip(full_k, plan)], dim=2)
-    step_v = torch.cat([v[:, :, c:] for v, (c, _) in zip(full_v, plan)], dim=2)
+    step_k = torch.cat([k[:, :, c:] for k, (c, _) in zip(full_k, plan, strict=True)], dim=2)
+    step_v = torch.cat([v[:, :, c:] for v, (c, _) in zip(full_v, plan, strict=True)], dim=2)
     out, _ = paged_attention_forward(
         SimpleNamespace(layer_idx=0),
         torch.cat(queries, dim=2),
@@ -71,7 +73,7 @@ def test_paged_attention_matches_contiguous_sdpa(window):
     expected = torch.cat(
         [
             _reference(q, k, v, n, window)[0].transpose(0, 1)
-            for q, k, v, (_, n) in zip(queries, full_k, full_v, plan)
+            for q, k, v, (_, n) in zip(queries, full_k, full_v, plan, strict=True)
         ]
     )
     assert out.shape == (1, sum(n for _, n in plan), HEADS, HEAD_DIM)
