@@ -1,0 +1,84 @@
+import math
+
+import numpy as np
+import pytest
+
+from kvlab.metrics import SLO, RequestMetrics, duration, summarize
+from kvlab.workloads import ALPACA, SHAREGPT, poisson_arrivals, synthetic_trace
+
+
+def request(arrival, token_times, prompt=10):
+    return RequestMetrics(
+        arrival_time=arrival,
+        num_prompt_tokens=prompt,
+        first_scheduled_time=arrival,
+        first_token_time=token_times[0],
+        finish_time=token_times[-1],
+        token_times=list(token_times),
+    )
+
+
+def test_request_metrics():
+    m = request(1.0, [1.5, 1.6, 1.8])
+    assert m.ttft == pytest.approx(0.5)
+    assert m.itls == pytest.approx([0.1, 0.2])
+    assert m.tpot == pytest.approx(0.15)
+    assert m.e2e_latency == pytest.approx(0.8)
+    assert request(0.0, [0.2]).tpot is None
+
+
+def test_summary_uses_vllm_names_and_values():
+    reqs = [request(0.0, [0.1, 0.2, 0.3]), request(0.5, [0.9, 1.0]), request(1.0, [1.2, 1.5, 1.8, 2.0])]
+    s = summarize(reqs)
+    assert s["duration"] == pytest.approx(duration(reqs)) == pytest.approx(2.0)
+    assert s["completed"] == 3 and s["total_output_tokens"] == 9 and s["total_input_tokens"] == 30
+    assert s["request_throughput"] == pytest.approx(1.5)
+    assert s["output_throughput"] == pytest.approx(4.5)
+    assert s["total_token_throughput"] == pytest.approx(19.5)
+    assert s["mean_ttft_ms"] == pytest.approx((100 + 400 + 200) / 3)
+    assert s["median_ttft_ms"] == pytest.approx(200) == pytest.approx(s["p50_ttft_ms"])
+    itls = np.array([0.1, 0.1, 0.1, 0.3, 0.3, 0.2]) * 1e3
+    assert s["mean_itl_ms"] == pytest.approx(itls.mean())
+    assert s["p99_itl_ms"] == pytest.approx(np.percentile(itls, 99))
+    assert s["mean_tpot_ms"] == pytest.approx((100 + 100 + 800 / 3) / 3)
+    assert s["p95_e2el_ms"] == pytest.approx(np.percentile([300, 500, 1000], 95))
+    assert "request_goodput" not in s
+    goodput = summarize(reqs, slo=SLO(ttft_ms=250, tpot_ms=300))["request_goodput"]
+    assert goodput == pytest.approx(2 / 2.0)  # the second request's TTFT is 400 ms
+    with pytest.raises(ValueError):
+        summarize([])
+
+
+@pytest.mark.parametrize("profile", [SHAREGPT, ALPACA])
+def test_trace_length_means_match_published_statistics(profile):
+    trace = synthetic_trace(20_000, profile.name, seed=0)
+    inputs = np.mean([len(r.prompt_token_ids) for r in trace])
+    outputs = np.mean([r.max_tokens for r in trace])
+    assert inputs == pytest.approx(profile.mean_input, rel=0.03)
+    assert outputs == pytest.approx(profile.mean_output, rel=0.03)
+
+
+def test_trace_is_seeded_and_scaled():
+    a = synthetic_trace(50, "sharegpt", request_rate=4.0, scale=0.1, seed=1, vocab_size=100)
+    assert a == synthetic_trace(50, "sharegpt", request_rate=4.0, scale=0.1, seed=1, vocab_size=100)
+    assert a != synthetic_trace(50, "sharegpt", request_rate=4.0, scale=0.1, seed=2, vocab_size=100)
+    assert all(2 <= t < 100 for r in a for t in r.prompt_token_ids)
+    capped = synthetic_trace(200, "sharegpt", scale=0.1, max_input_len=20, max_output_len=30)
+    assert max(len(r.prompt_token_ids) for r in capped) <= 20 and max(r.max_tokens for r in capped) <= 30
+    assert all(r.arrival_time == 0.0 for r in capped)  # infinite rate: everything at once
+
+
+def test_poisson_arrivals_rate():
+    times = poisson_arrivals(20_000, 5.0, np.random.default_rng(0))
+    assert np.all(np.diff(times) >= 0)
+    assert np.mean(np.diff(times)) == pytest.approx(0.2, rel=0.03)
+    assert poisson_arrivals(3, math.inf, np.random.default_rng(0)).tolist() == [0, 0, 0]
+
+
+def test_shared_system_prompt_fraction():
+    trace = synthetic_trace(2000, "alpaca", shared_prefix_len=32, shared_prefix_fraction=0.3, seed=5)
+    sharing = [r for r in trace if r.shares_prefix]
+    assert len(sharing) / len(trace) == pytest.approx(0.3, abs=0.03)
+    prefix = sharing[0].prompt_token_ids[:32]
+    assert all(r.prompt_token_ids[:32] == prefix for r in sharing)
+    assert sum(r.prompt_token_ids[:32] == prefix for r in trace) == len(sharing)
