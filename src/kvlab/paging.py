@@ -104,7 +104,9 @@ class KVPool:
         seqs = block_tables.shape[0]
 
         def read(pool: torch.Tensor) -> torch.Tensor:
-            return pool[block_tables].reshape(seqs, -1, *pool.shape[2:]).transpose(1, 2)
+            # index_select on whole blocks is the cheapest gather on CPU (one memcpy per block).
+            rows = pool.view(pool.shape[0], -1).index_select(0, block_tables.reshape(-1))
+            return rows.view(seqs, -1, *pool.shape[2:]).transpose(1, 2)
 
         return read(k_pool), read(v_pool)
 
@@ -135,7 +137,6 @@ class PagedContext:
         for q in self.query_lens:
             starts.append(starts[-1] + q)
         self.query_starts = starts
-        bs = self.pool.block_size
         decode = [i for i, q in enumerate(self.query_lens) if q == 1]
         self.prefill = [i for i, q in enumerate(self.query_lens) if q != 1]
         self.decode_tokens = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device)
@@ -144,15 +145,21 @@ class PagedContext:
             # Padding entries point at block 0; the key mask hides them.
             tables = [self.block_tables[i] + [0] * (width - len(self.block_tables[i])) for i in decode]
             self.decode_tables = torch.tensor(tables, dtype=torch.long, device=device)
-            ctx = torch.tensor([self.context_lens[i] for i in decode], device=device)
-            self.decode_key_pos = torch.arange(width * bs, device=device)
+            lens = [self.context_lens[i] for i in decode]
+            ctx = torch.tensor(lens, device=device)
+            # Keys past the longest context are padding in every row: cut them; equal lengths need no mask.
+            self.decode_keys = max(lens)
+            self.decode_uniform = min(lens) == self.decode_keys
+            self.decode_key_pos = torch.arange(self.decode_keys, device=device)
             self.decode_query_pos = (ctx - 1)[:, None]  # (decode seqs, 1)
         self.prefill_tables = [
             torch.tensor(self.block_tables[i], dtype=torch.long, device=device) for i in self.prefill
         ]
 
-    def decode_mask(self, window: int | None) -> torch.Tensor:
+    def decode_mask(self, window: int | None) -> torch.Tensor | None:
         """(decode seqs, 1, 1, keys): real keys at or before the query, within the window if any."""
+        if self.decode_uniform and window is None:
+            return None  # lets SDPA take its unmasked (fastest) kernel
         key, query = self.decode_key_pos[None, :], self.decode_query_pos
         mask = key <= query
         if window is not None:
@@ -200,6 +207,7 @@ def paged_attention_forward(
     gqa = query.shape[1] != key.shape[1]
     if len(ctx.decode_tokens):
         k, v = ctx.pool.gather(layer, ctx.decode_tables)
+        k, v = k[:, :, : ctx.decode_keys], v[:, :, : ctx.decode_keys]
         qd = q[ctx.decode_tokens][:, :, None, :]  # (seqs, heads, 1, head_dim)
         o = F.scaled_dot_product_attention(
             qd, k, v, attn_mask=ctx.decode_mask(sliding_window), scale=scaling, enable_gqa=gqa

@@ -1,0 +1,86 @@
+"""Paged attention vs contiguous SDPA on the same K and V: what reading through block tables costs.
+
+One decode step of `batch` sequences, each with `context` cached tokens, for one layer. Contiguous: K and V
+already laid out as `(batch, kv_heads, context, head_dim)`, one SDPA call. Paged: the same K/V scattered over
+randomly permuted blocks of a pool; the step writes the new token through the slot mapping and gathers each
+sequence's blocks before the same SDPA call (`kvlab.paging.paged_attention_forward`).
+
+    .venv/bin/python benchmarks/bench_paged_attention.py
+"""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from kvlab.env import env_report
+from kvlab.measure import percentiles, time_call
+from kvlab.paging import KVPool, KVShape, PagedContext, paged_attention_forward, slots_for
+
+
+def bench(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int, repeat: int):
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(batch, kv_heads, context, head_dim, generator=gen)
+    v = torch.randn(batch, kv_heads, context, head_dim, generator=gen)
+    q = torch.randn(batch, heads, 1, head_dim, generator=gen)
+    blocks_per_seq = -(-context // block_size)
+    pool = KVPool(KVShape(1, kv_heads, head_dim), batch * blocks_per_seq, block_size)
+    order = torch.randperm(pool.num_blocks, generator=gen).tolist()
+    tables = [order[i * blocks_per_seq : (i + 1) * blocks_per_seq] for i in range(batch)]
+    for i, table in enumerate(tables):
+        pool.write(
+            0,
+            torch.tensor(slots_for(table, 0, context, block_size)),
+            k[i].transpose(0, 1),
+            v[i].transpose(0, 1),
+        )
+    # The step re-writes each sequence's last token (its "new" token) through the slot mapping.
+    slots = torch.tensor([slots_for(t, context - 1, context, block_size)[0] for t in tables])
+    ctx = PagedContext(pool, slots, [1] * batch, [context] * batch, tables)
+    module = SimpleNamespace(layer_idx=0)
+    query_flat = q.transpose(0, 2)  # (1, heads, batch, head_dim): one token per sequence, flattened
+    new_k, new_v = k[:, :, -1:].transpose(0, 2), v[:, :, -1:].transpose(0, 2)
+
+    def contiguous():
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    def paged():
+        paged_attention_forward(module, query_flat, new_k, new_v, None, paged_context=ctx)
+
+    out_paged = paged_attention_forward(module, query_flat, new_k, new_v, None, paged_context=ctx)[0][0]
+    out_contig = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)[:, :, 0]
+    error = (out_paged - out_contig).abs().max().item()
+    times = {}
+    for name, fn in (("contiguous", contiguous), ("paged", paged)):
+        times[name] = percentiles(time_call(fn, "cpu", repeat=repeat, warmup=2), (50,))["p50"]
+    return times, error
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=20)
+    args = parser.parse_args()
+    print(env_report("cpu"))
+    print(
+        f"decode attention, one layer, {args.heads} heads / {args.kv_heads} KV heads × {args.head_dim}, fp32"
+    )
+    print(
+        f"{'batch':>5} {'context':>7} {'contig ms':>10} {'paged ms':>9} {'paged/contig':>12} {'max err':>9}"
+    )
+    for batch, context in [(1, 512), (8, 512), (8, 2048), (32, 1024)]:
+        times, error = bench(
+            batch, context, args.heads, args.kv_heads, args.head_dim, args.block_size, args.repeat
+        )
+        c, p = times["contiguous"] * 1e3, times["paged"] * 1e3
+        print(f"{batch:>5} {context:>7} {c:>10.3f} {p:>9.3f} {p / c:>12.2f} {error:>9.1e}")
+
+
+if __name__ == "__main__":
+    main()
