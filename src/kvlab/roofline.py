@@ -14,14 +14,17 @@ large batch.
 
 Compute term: a token costs 2 FLOP (one multiply-add) per weight it multiplies (Kaplan et al., 2020,
 arXiv:2001.08361, Table 1), counting only the experts it routes to, and not the input embedding (a gather).
-Attention adds, per layer and per token it attends to, the q·k score (2 · heads · head_dim FLOP) and the
+Attention adds, per layer and per token attended to, the q·k score (2 · heads · head_dim FLOP) and the
 weighted sum of v (2 · heads · v_head_dim): 4 · layers · heads · head_dim · context per token. Kaplan's table
-keeps only the score term; the value sum costs as much again. Query heads count, not KV heads: grouped-query
-attention shares K/V, it does not shrink the products. MLA is counted in its absorbed form (scores against the
+lists only the score term; the value sum costs as much again, which is the count in e.g. Chen (2022),
+"Transformer inference arithmetic" (kipp.ly). Query heads count, not KV heads: grouped-query attention
+shares K/V, it does not shrink the products. MLA is counted in its absorbed form (scores against the
 kv_lora_rank + rope latent, values from the latent), as serving engines run it; transformers 5.24 instead
-re-expands the latent each step, which costs more. Prefill is causal: token i attends to i + 1 tokens (at most
-the window), so attention costs are summed over the triangle, and logits are computed for the last token only.
-Norms, rotary embeddings, softmax and biases are ignored: approximate by well under 1 % at these sizes.
+re-expands the latent for every cached token each step, which costs more. Prefill is causal: token i attends
+to min(i + 1, window) tokens, summed over the triangle, and logits are computed for each prompt's last token
+only. Approximations: norm weights count as if multiplied, rotary, softmax and activation functions are
+ignored (each well under 1 % here); MoE experts are gated MLPs (3 × hidden × width) routed uniformly, while
+real routers are skewed and so touch fewer distinct experts at a given batch.
 
 `hw` is a spec-sheet entry (`kvlab.hardware.get`), a name for one, or a `kvlab.hardware.measure()` result.
 Chapters: *Why decode is bandwidth-bound*, *Capacity planning*.

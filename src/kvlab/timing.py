@@ -3,18 +3,27 @@
 These are the measured side of the roofline (`kvlab.roofline`): time to first token against prompt length,
 one decode step (the inter-token latency) against context and batch. Inputs are seeded random token ids; the
 step time of a dense model does not depend on which tokens they are.
+
+Where measured and predicted part on CPU (see benchmarks/bench_roofline.py): a step also pays a fixed cost per
+operator (Python and dispatch, about 0.1 ms per layer), which only weights of a few hundred MB hide;
+`DynamicCache` appends with `torch.cat`, so each step copies the whole cache once more on top of the one read
+the roofline counts; and skinny matmuls (2 to ~64 rows) run far below both the copy bandwidth and the square
+matmul peak that `kvlab.hardware.measure` reports.
 Chapters: *Why decode is bandwidth-bound*, *Capacity planning*.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from kvlab.arch import describe
+from kvlab.hardware import Accelerator, Measurement
 from kvlab.measure import Timer, percentiles
+from kvlab.roofline import StepEstimate, decode_step
 from kvlab.sizing import _check_count
 
 
@@ -101,3 +110,37 @@ def measure_prefill(
             times.append(timer.seconds)
         del cache
     return StepTiming(batch_size, prompt_len, tuple(times))
+
+
+@dataclass(frozen=True)
+class DecodeComparison:
+    """A measured decode step beside its roofline prediction."""
+
+    measured: StepTiming
+    predicted: StepEstimate
+
+    @property
+    def ratio(self) -> float:
+        """Measured median over predicted: 1 is a perfect roofline, above 1 the step is slower than it."""
+        return self.measured.median_s / self.predicted.time_s
+
+
+def compare_decode(
+    model: PreTrainedModel,
+    hw: Accelerator | Measurement,
+    batch_sizes: Sequence[int],
+    context_lens: Sequence[int],
+    repeat: int = 5,
+    warmup: int = 2,
+) -> list[DecodeComparison]:
+    """Time decode steps of `model` at every (batch, context) pair and predict each with `kvlab.roofline`.
+
+    Pass `hw = kvlab.hardware.measure(device)` measured on the same device (and thread count) as the model.
+    """
+    rows = []
+    for batch in batch_sizes:
+        for context in context_lens:
+            measured = measure_decode_step(model, batch, context, repeat=repeat, warmup=warmup)
+            predicted = decode_step(model.config, hw, batch, context, dtype=model.dtype)
+            rows.append(DecodeComparison(measured, predicted))
+    return rows
