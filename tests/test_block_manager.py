@@ -22,6 +22,14 @@ def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
     assert all(alloc.hashes[b] == h for h, b in bm.cached.items())
 
 
+def free_all_and_check(bm: BlockManager, slots: dict[int, Sequence]) -> None:
+    """After every request ends, every block is free again."""
+    for seq in slots.values():
+        bm.free(seq)
+    check_invariants(bm, [])
+    assert bm.num_free_blocks == bm.num_blocks
+
+
 # An operation: (kind, sequence slot, a number). Tokens come from a 2-letter alphabet so prefixes repeat.
 ops = st.lists(
     st.tuples(st.sampled_from(["admit", "grow", "free"]), st.integers(0, 5), st.integers(1, 12)), max_size=40
@@ -52,10 +60,7 @@ def test_block_manager_never_leaks(ops, prefix_caching, block_size):
             bm.free(seq)
             del slots[slot]
         check_invariants(bm, list(slots.values()))
-    for seq in slots.values():
-        bm.free(seq)
-    check_invariants(bm, [])
-    assert bm.num_free_blocks == bm.num_blocks
+    free_all_and_check(bm, slots)
 
 
 @settings(max_examples=40, deadline=None)
@@ -75,9 +80,7 @@ def test_contiguous_manager_reserves_runs_and_never_leaks(ops):
             bm.free(seq)
             del slots[slot]
         check_invariants(bm, list(slots.values()))
-    for seq in slots.values():
-        bm.free(seq)
-    assert bm.num_free_blocks == bm.num_blocks
+    free_all_and_check(bm, slots)
 
 
 @settings(max_examples=40, deadline=None)
