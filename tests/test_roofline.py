@@ -198,6 +198,9 @@ def test_timing_helpers_on_a_tiny_model():
     assert len(ttft.seconds) == 2 and ttft.best_s > 0
     with pytest.raises(ValueError):
         timing.measure_decode_step(model, context_len=0)
+    rows = timing.compare_decode(model, H100, [1, 2], [8], repeat=1, warmup=0)
+    assert [(r.measured.batch_size, r.predicted.tokens) for r in rows] == [(1, 1), (2, 2)]
+    assert all(r.ratio > 0 for r in rows)
     # A sliding-window model whose window is already full is timed without cropping, and still runs.
     slide = tiny_model("mistral", layers=2, hidden=64, heads=4, window=8, device="cpu")
     assert len(timing.measure_decode_step(slide, context_len=20, repeat=2).seconds) == 2

@@ -4,11 +4,11 @@ These are the measured side of the roofline (`kvlab.roofline`): time to first to
 one decode step (the inter-token latency) against context and batch. Inputs are seeded random token ids; the
 step time of a dense model does not depend on which tokens they are.
 
-Where measured and predicted part on CPU (see benchmarks/bench_roofline.py): a step also pays a fixed cost per
-operator (Python and dispatch, about 0.1 ms per layer), which only weights of a few hundred MB hide;
-`DynamicCache` appends with `torch.cat`, so each step copies the whole cache once more on top of the one read
-the roofline counts; and skinny matmuls (2 to ~64 rows) run far below both the copy bandwidth and the square
-matmul peak that `kvlab.hardware.measure` reports.
+Where measured and predicted part on CPU (see benchmarks/bench_roofline.py): a step also pays a fixed cost
+per operator (Python and dispatch, 0.1-0.2 ms per layer on a 2-core CPU), which only weights of a few hundred
+MB hide; `DynamicCache` appends with `torch.cat`, so each step copies the whole cache once more on top of the
+one read the roofline counts; and skinny matmuls (2 to ~64 rows) run far below both the copy bandwidth and
+the square-matmul peak that `kvlab.hardware.measure` reports.
 Chapters: *Why decode is bandwidth-bound*, *Capacity planning*.
 """
 
