@@ -1,0 +1,59 @@
+import subprocess
+import sys
+
+import pytest
+
+from kvlab import cli
+
+
+def test_size_report(capsys):
+    assert (
+        cli.main(
+            [
+                "size",
+                "meta-llama/Llama-3.1-8B",
+                "--context",
+                "32k",
+                "--batch",
+                "16",
+                "--kv-dtype",
+                "fp8",
+                "--gpu",
+                "H100-SXM",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "64 KiB (65,536 B, fp8)" in out
+    assert "2 GiB at 32k tokens" in out and "32 GiB for 16 sequences" in out
+    assert "fits" in out and "room for" in out
+
+
+def test_does_not_fit():
+    text = cli.size_report("meta-llama/Llama-3.1-70B", 131072, 64, "bf16", "bf16", "L4")
+    assert "does NOT fit" in text
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["size", "no/such-model"], "unknown model 'no/such-model'"),
+        (["size", "Qwen/Qwen2.5-7B", "--context", "32q"], "cannot read '32q'"),
+        (["size", "Qwen/Qwen2.5-7B", "--context", "0"], "must be positive"),
+        (["size", "Qwen/Qwen2.5-7B", "--batch", "-3"], "positive integer"),
+        (["size", "Qwen/Qwen2.5-7B", "--gpu", "X1"], "unknown accelerator 'X1'"),
+    ],
+)
+def test_bad_input_is_one_line_and_nonzero(argv, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvlab.cli", *argv],
+        capture_output=True,
+        text=True,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].count("error") >= 1

@@ -1,0 +1,100 @@
+import pytest
+import torch
+
+from kvlab import decode, measure, models, sizing
+
+
+def test_tiny_model_is_seeded_and_real():
+    a = models.tiny_model("qwen2", hidden=32, heads=4, kv_heads=2, seed=3)
+    b = models.tiny_model("qwen2", hidden=32, heads=4, kv_heads=2, seed=3)
+    assert type(a).__name__ == "Qwen2ForCausalLM"
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    assert not a.training
+
+
+def test_tiny_model_dtype_and_device():
+    model = models.tiny_model("llama", dtype=torch.bfloat16, device="cpu")
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(family="nope"), "unknown family"),
+        (dict(family="llama", kv_heads=3), "kv_heads"),
+        (dict(family="llama", layers=0), "layers"),
+        (dict(family="llama", window=8), "no sliding-window"),
+        (dict(family="gpt2", kv_heads=2), "multi-head attention only"),
+    ],
+)
+def test_tiny_config_rejects_bad_knobs(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        models.tiny_config(**kwargs)
+
+
+def test_load_model_from_save_pretrained_directory(tmp_path):
+    model = models.tiny_model("llama", seed=1)
+    model.save_pretrained(tmp_path)
+    loaded = models.load_model(str(tmp_path), device="cpu", dtype=torch.float32)
+    ids = torch.randint(0, 256, (1, 8))
+    with torch.inference_mode():
+        assert torch.allclose(model(ids).logits, loaded(ids).logits)
+
+
+def test_load_model_missing_path_is_clear(tmp_path):
+    with pytest.raises(OSError, match="could not load model"):
+        models.load_model(str(tmp_path / "missing"))
+
+
+def test_equal_param_configs():
+    configs = models.equal_param_configs("llama", [8, 2, 1], layers=2, hidden=128, heads=8)
+    counts = [sizing.param_count(c) for c in configs]
+    assert (max(counts) - min(counts)) / max(counts) < 1e-3
+    assert [c.num_key_value_heads for c in configs] == [8, 2, 1]
+
+
+def test_cache_inventory_lists_only_k_and_v():
+    model = models.tiny_model("llama", layers=3, hidden=32, heads=4, kv_heads=2)
+    with torch.inference_mode():
+        cache = model(torch.randint(0, 256, (2, 5)), use_cache=True).cache
+    rows = measure.cache_inventory(cache)
+    assert {r.name for r in rows} == {"keys", "values"} and len(rows) == 6
+    assert all(r.shape == (2, 2, 5, 8) for r in rows)
+
+
+def test_sliding_window_view_holds_more_storage_than_it_shows():
+    model = models.tiny_model("mistral", layers=1, hidden=32, heads=4, kv_heads=2, window=4)
+    with torch.inference_mode():
+        cache = model(torch.randint(0, 256, (1, 10)), use_cache=True).cache
+    assert measure.cache_tensor_bytes(cache) == sizing.kv_cache_bytes(model.config, 10, 1, torch.float32)
+    assert measure.cache_tensor_bytes(cache, storage=True) > measure.cache_tensor_bytes(cache)
+
+
+def test_memory_tracker_cpu_counts_tensors():
+    with measure.MemoryTracker("cpu") as mem:
+        a = torch.ones(1024, 256)  # 1 MiB
+        b = torch.ones(1024, 256)
+        del b
+        c = a * 2  # noqa: F841
+    assert mem.peak_bytes >= 2 * 1024 * 1024
+    assert mem.retained_bytes == 2 * 1024 * 1024
+
+
+def test_timer_and_percentiles():
+    times = measure.time_call(lambda: sum(range(1000)), "cpu", repeat=3)
+    assert len(times) == 3 and all(t > 0 for t in times)
+    assert measure.percentiles([1, 2, 3, 4, 5]) == {"p50": 3.0, "p95": 4.8, "p99": pytest.approx(4.96)}
+    with pytest.raises(ValueError):
+        measure.percentiles([])
+
+
+def test_cached_and_uncached_decode_agree():
+    model = models.tiny_model("llama", layers=2, hidden=64, heads=4, kv_heads=2, attn_implementation="eager")
+    ids = torch.randint(0, 256, (2, 6))
+    cached = decode.greedy_decode(model, ids, 5, use_cache=True)
+    uncached = decode.greedy_decode(model, ids, 5, use_cache=False)
+    assert cached.tokens == uncached.tokens
+    reference = model.generate(ids, max_new_tokens=5, do_sample=False)[:, 6:].tolist()
+    assert cached.tokens == reference
+    cost = decode.step_cost(model, 16, repeat=1)
+    assert cost.uncached_flops == 17 * cost.cached_flops

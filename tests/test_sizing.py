@@ -1,0 +1,165 @@
+"""kvlab.sizing must equal, to the byte, what a transformers 5.24 DynamicCache holds."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvlab import arch, measure, models, sizing
+
+
+def _forward_cache_bytes(config, seq_len: int, batch: int, dtype=torch.float32) -> int:
+    model = models.tiny_model(config=config, dtype=dtype, device="cpu")
+    ids = torch.randint(0, config.get_text_config().vocab_size, (batch, seq_len))
+    with torch.inference_mode():
+        return measure.cache_tensor_bytes(model(ids, use_cache=True).cache)
+
+
+@st.composite
+def tiny_configs(draw, family):
+    heads = draw(st.sampled_from([1, 2, 4, 8]))
+    kv_heads = (
+        heads
+        if family in ("opt", "gpt2")
+        else draw(st.sampled_from([d for d in (1, 2, 4, 8) if heads % d == 0]))
+    )
+    head_dim = draw(st.sampled_from([4, 8, 16]))
+    knobs = dict(layers=draw(st.integers(1, 4)), heads=heads, kv_heads=kv_heads, vocab=64)
+    if family in models._HEAD_DIM_FAMILIES or family.startswith("deepseek"):
+        knobs.update(hidden=heads * 8, head_dim=head_dim)
+    else:
+        knobs["hidden"] = heads * head_dim
+    if family in models._SLIDING_FAMILIES and draw(st.booleans()):
+        knobs["window"] = draw(st.integers(2, 24))
+    if family == "gemma3_text":
+        knobs["sliding_window_pattern"] = draw(st.integers(1, 4))
+    if family.startswith("deepseek"):
+        knobs.update(latent=draw(st.sampled_from([4, 8, 16])), rope_dim=draw(st.sampled_from([2, 4, 8])))
+    return models.tiny_config(family, **knobs)
+
+
+@pytest.mark.parametrize("family", models.FAMILIES)
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_predicted_equals_cache_bytes(family, data):
+    config = data.draw(tiny_configs(family))
+    seq_len = data.draw(st.integers(1, 40))
+    batch = data.draw(st.integers(1, 3))
+    assert _forward_cache_bytes(config, seq_len, batch) == sizing.kv_cache_bytes(
+        config, seq_len, batch, torch.float32
+    )
+
+
+@pytest.mark.parametrize("name", arch.registry())
+def test_every_registry_model_scaled_down_matches(name):
+    config = models.scaled_down(name, window=8)
+    spec_full, spec_tiny = arch.describe(name), arch.describe(config)
+    assert spec_full.attention_type == spec_tiny.attention_type
+    assert set(spec_full.kinds) == set(spec_tiny.kinds)
+    for seq_len in (1, 7, 8, 9, 30):
+        assert _forward_cache_bytes(config, seq_len, 2) == sizing.kv_cache_bytes(
+            config, seq_len, 2, torch.float32
+        )
+
+
+def test_bf16_cache_matches_too():
+    config = models.tiny_config("mistral", layers=2, hidden=32, heads=4, kv_heads=2, window=5)
+    assert _forward_cache_bytes(config, 9, 2, torch.bfloat16) == sizing.kv_cache_bytes(
+        config, 9, 2, torch.bfloat16
+    )
+
+
+# Hand-worked published numbers: layers x 2 x kv_heads x head_dim x 2 bytes (bf16).
+@pytest.mark.parametrize(
+    "name, per_token",
+    [
+        ("meta-llama/Llama-2-7b-hf", 32 * 2 * 32 * 128 * 2),  # 512 KiB
+        ("meta-llama/Llama-3.1-8B", 32 * 2 * 8 * 128 * 2),  # 128 KiB
+        ("meta-llama/Llama-3.1-70B", 80 * 2 * 8 * 128 * 2),
+        ("Qwen/Qwen2.5-0.5B", 24 * 2 * 2 * 64 * 2),
+        ("Qwen/Qwen3-8B", 36 * 2 * 8 * 128 * 2),
+        ("tiiuae/falcon-7b", 32 * 2 * 1 * 64 * 2),  # multi-query
+        ("openai-community/gpt2", 12 * 2 * 12 * 64 * 2),
+        ("google/gemma-2-9b", 42 * 2 * 8 * 256 * 2),
+        ("deepseek-ai/DeepSeek-V3", 61 * (512 + 64) * 2),  # MLA latent
+        ("deepseek-ai/DeepSeek-V2-Lite", 27 * (512 + 64) * 2),
+    ],
+)
+def test_published_per_token_bytes(name, per_token):
+    assert sizing.kv_bytes_per_token(name, "bf16") == per_token
+
+
+def test_mla_expanded_size():
+    # DeepSeek-V3: 128 heads x (K: 128 + 64, V: 128) per layer.
+    assert sizing.kv_bytes_per_token_expanded("deepseek-ai/DeepSeek-V3", "bf16") == 61 * 128 * (192 + 128) * 2
+
+
+def test_sliding_window_caps_at_window_minus_one():
+    per_token = sizing.kv_bytes_per_token("mistralai/Mistral-7B-v0.1", "bf16")
+    assert sizing.kv_cache_bytes("mistralai/Mistral-7B-v0.1", 100_000, 1, "bf16") == 4095 * per_token
+    assert sizing.kv_cache_bytes("mistralai/Mistral-7B-v0.1", 1000, 3, "bf16") == 3 * 1000 * per_token
+
+
+def test_gemma3_pattern():
+    spec = arch.describe("google/gemma-3-27b-it")
+    assert spec.kinds == {"sliding": 52, "full": 10}
+    assert [layer.kind for layer in spec.layers[:6]] == ["sliding"] * 5 + ["full"]
+    assert spec.layers[0].window == 1024
+
+
+def test_dtypes():
+    assert sizing.kv_bytes_per_token("meta-llama/Llama-3.1-8B", "fp8") * 2 == sizing.kv_bytes_per_token(
+        "meta-llama/Llama-3.1-8B", torch.bfloat16
+    )
+    assert sizing.kv_bytes_per_token("meta-llama/Llama-3.1-8B", "fp32") == 4 * 32 * 2 * 8 * 128
+    # default: the config's declared dtype (Llama 2: float16)
+    assert sizing.kv_bytes_per_token("meta-llama/Llama-2-7b-hf") == 512 * 1024
+    with pytest.raises(ValueError, match="unknown dtype"):
+        sizing.kv_bytes_per_token("meta-llama/Llama-3.1-8B", "fp7")
+
+
+def test_bad_sizes_are_errors():
+    with pytest.raises(ValueError, match="seq_len"):
+        sizing.kv_cache_bytes("meta-llama/Llama-3.1-8B", -1)
+    with pytest.raises(ValueError, match="batch_size"):
+        sizing.kv_cache_bytes("meta-llama/Llama-3.1-8B", 10, 0)
+    with pytest.raises(ValueError, match="batch_size"):
+        sizing.crossover_context("meta-llama/Llama-3.1-8B", batch_size=-2)
+
+
+@pytest.mark.parametrize(
+    "name, billions",
+    [
+        ("meta-llama/Llama-2-7b-hf", 6.74),
+        ("meta-llama/Llama-3.1-8B", 8.03),
+        ("meta-llama/Llama-3.1-405B", 405.85),
+        ("mistralai/Mixtral-8x7B-v0.1", 46.70),
+        ("Qwen/Qwen2.5-0.5B", 0.494),
+        ("deepseek-ai/DeepSeek-V3", 671.03),
+        ("openai-community/gpt2", 0.1244),
+    ],
+)
+def test_param_counts_match_model_cards(name, billions):
+    assert sizing.param_count(name) / 1e9 == pytest.approx(billions, rel=2e-3)
+
+
+def test_weight_bytes_dtype_and_bits():
+    params = sizing.param_count("meta-llama/Llama-3.1-8B")
+    assert sizing.weight_bytes("meta-llama/Llama-3.1-8B", "bf16") == 2 * params
+    assert sizing.weight_bytes("meta-llama/Llama-3.1-8B", 4) == params // 2
+    with pytest.raises(ValueError, match="bits"):
+        sizing.weight_bytes("meta-llama/Llama-3.1-8B", 7)
+
+
+def test_crossover_is_tight_and_none_when_window_caps():
+    n = sizing.crossover_context("meta-llama/Llama-3.1-8B", 1, "bf16", "bf16")
+    weights = sizing.weight_bytes("meta-llama/Llama-3.1-8B", "bf16")
+    assert sizing.kv_cache_bytes("meta-llama/Llama-3.1-8B", n, 1, "bf16") >= weights
+    assert sizing.kv_cache_bytes("meta-llama/Llama-3.1-8B", n - 1, 1, "bf16") < weights
+    assert sizing.crossover_context("mistralai/Mistral-7B-v0.1", 1, "bf16", "bf16") is None
+    assert sizing.crossover_context("mistralai/Mistral-7B-v0.1", 32, "bf16", "bf16") is not None
+
+
+def test_max_sequences():
+    per_seq = sizing.kv_cache_bytes("meta-llama/Llama-3.1-8B", 4096, 1, "bf16")
+    assert sizing.max_sequences("meta-llama/Llama-3.1-8B", 10 * per_seq + 1, 4096, "bf16") == 10
