@@ -99,7 +99,13 @@ class BlockManager:
 
     @property
     def prefix_hit_rate(self) -> float:
+        """Share of looked-up prompt tokens served from cached blocks."""
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    @property
+    def request_hit_rate(self) -> float:
+        """Share of admissions that found at least one cached block."""
+        return self.prefix_hit_requests / self.prefix_queries if self.prefix_queries else 0.0
 
     def _evict(self, block_id: int, block_hash: int) -> None:
         if self.cached.get(block_hash) == block_id:
