@@ -71,6 +71,8 @@ def step_cost(
     model: PreTrainedModel, history: int, batch_size: int = 1, repeat: int = 5, seed: int = 0
 ) -> StepCost:
     """Cost of producing token `history + 1`: from a cache of `history` tokens, or from scratch."""
+    from kvlab.timing import measure_decode_step
+
     if history < 1:
         raise ValueError(f"history must be >= 1, got {history}")
     device = _device(model)
@@ -79,24 +81,17 @@ def step_cost(
         0, model.config.get_text_config().vocab_size, (batch_size, history + 1), generator=generator
     )
     ids = ids.to(device)
-    prefix, last = ids[:, :-1], ids[:, -1:]
     cache = DynamicCache(config=model.config)
-    model(prefix, cache=cache, use_cache=True)
-
-    def cached_step() -> None:
-        model(last, cache=cache, use_cache=True)
-        cache.crop(-1)  # drop the token just added, so every repeat starts from `history` tokens
-
-    def uncached_step() -> None:
-        model(ids, use_cache=False)
-
+    model(ids[:, :-1], cache=cache, use_cache=True)
     flops = []
-    for fn in (cached_step, uncached_step):
+    for step in (
+        lambda: model(ids[:, -1:], cache=cache, use_cache=True),
+        lambda: model(ids, use_cache=False),
+    ):
         with FlopCounterMode(display=False) as counter:
-            fn()
+            step()
         flops.append(counter.get_total_flops())
-    times = [
-        sorted(time_call(fn, device, repeat=repeat, warmup=1))[repeat // 2]
-        for fn in (cached_step, uncached_step)
-    ]
-    return StepCost(history, flops[0], flops[1], times[0], times[1])
+    # The cached step's time is the decode step `kvlab.timing` measures; the uncached one re-runs everything.
+    cached = measure_decode_step(model, batch_size, history + 1, repeat=repeat, warmup=1, seed=seed).best_s
+    uncached = min(time_call(lambda: model(ids, use_cache=False), device, repeat=repeat, warmup=1))
+    return StepCost(history, flops[0], flops[1], cached, uncached)

@@ -42,8 +42,8 @@ from kvlab import hardware
 from kvlab.arch import ArchSpec, LayerSpec, describe, get_config
 from kvlab.sizing import (
     DType,
-    _check_count,
-    _config_dtype,
+    check_count,
+    config_dtype,
     dtype_bytes,
     kv_cache_bytes,
     param_count,
@@ -211,7 +211,7 @@ def _hardware(hw: Hardware) -> hardware.Accelerator | hardware.Measurement:
 
 def _dtypes(config: Config, dtype: DType, kv_dtype: DType) -> tuple[DType, DType]:
     config = get_config(config) if isinstance(config, str) else config
-    dtype = _config_dtype(config) if dtype is None else dtype
+    dtype = config_dtype(config) if dtype is None else dtype
     dtype_bytes(dtype)  # fail early on an unknown name
     return dtype, dtype if kv_dtype is None else kv_dtype
 
@@ -258,8 +258,8 @@ def decode_step(
 
     `dtype` is the weights' (default: the config's); `kv_dtype` the cache's (default: `dtype`).
     """
-    _check_count("batch_size", batch_size)
-    _check_count("context_len", context_len)
+    check_count("batch_size", batch_size)
+    check_count("context_len", context_len)
     return _decode(config, hw, batch_size, context_len, dtype, kv_dtype)
 
 
@@ -284,8 +284,8 @@ def prefill(
     kv_dtype: DType = None,
 ) -> StepEstimate:
     """Prefill of `batch_size` prompts of `prompt_len` tokens: weights read once, the new cache written once."""
-    _check_count("batch_size", batch_size)
-    _check_count("prompt_len", prompt_len)
+    check_count("batch_size", batch_size)
+    check_count("prompt_len", prompt_len)
     hw = _hardware(hw)
     cost = model_cost(config)
     dtype, kv_dtype = _dtypes(config, dtype, kv_dtype)
@@ -328,7 +328,7 @@ def critical_batch_size(
     bytes in a fixed ratio (the attention's intensity); when that ratio is below the hardware's ridge point,
     as at long contexts, more sequences never make decode compute-bound.
     """
-    _check_count("context_len", context_len)
+    check_count("context_len", context_len)
 
     def gap(batch: float) -> float:
         step = _decode(config, hw, batch, context_len, dtype, kv_dtype)

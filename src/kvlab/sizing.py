@@ -42,7 +42,7 @@ def dtype_bytes(dtype: DType) -> int:
     raise ValueError(f"unknown dtype {dtype!r}; use a torch dtype or one of {sorted(set(_DTYPE_BYTES))}")
 
 
-def _config_dtype(config: PretrainedConfig) -> DType:
+def config_dtype(config: PretrainedConfig) -> DType:
     """The dtype a config declares, else bf16 (what serving stacks default to for these models)."""
     declared = getattr(config.get_text_config(decoder=True), "dtype", None) or getattr(config, "dtype", None)
     return declared if declared is not None else "bf16"
@@ -50,10 +50,10 @@ def _config_dtype(config: PretrainedConfig) -> DType:
 
 def _spec_and_bytes(config: PretrainedConfig | str, dtype: DType) -> tuple[ArchSpec, int]:
     config = get_config(config) if isinstance(config, str) else config
-    return describe(config), dtype_bytes(_config_dtype(config) if dtype is None else dtype)
+    return describe(config), dtype_bytes(config_dtype(config) if dtype is None else dtype)
 
 
-def _check_count(name: str, value: int, minimum: int = 1) -> int:
+def check_count(name: str, value: int, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return value
@@ -78,8 +78,8 @@ def kv_cache_bytes(
 
     `dtype=None` takes the config's declared dtype (bf16 when it declares none).
     """
-    _check_count("seq_len", seq_len, 0)
-    _check_count("batch_size", batch_size)
+    check_count("seq_len", seq_len, 0)
+    check_count("batch_size", batch_size)
     spec, nbytes = _spec_and_bytes(config, dtype)
     return (
         batch_size
@@ -98,7 +98,7 @@ def max_sequences(
     config: PretrainedConfig | str, budget_bytes: int, context_len: int, dtype: DType = None
 ) -> int:
     """How many sequences of `context_len` tokens fit in `budget_bytes` of KV memory."""
-    per_seq = kv_cache_bytes(config, _check_count("context_len", context_len), 1, dtype)
+    per_seq = kv_cache_bytes(config, check_count("context_len", context_len), 1, dtype)
     return int(budget_bytes // per_seq) if per_seq else 0
 
 
@@ -137,7 +137,7 @@ def weight_bytes(config: PretrainedConfig | str, dtype_or_bits: DType | int = No
             raise ValueError(f"weight bits must be one of 1-6, 8, 16 or 32, got {dtype_or_bits}")
         return math.ceil(params * dtype_or_bits / 8)
     config = get_config(config) if isinstance(config, str) else config
-    return params * dtype_bytes(_config_dtype(config) if dtype_or_bits is None else dtype_or_bits)
+    return params * dtype_bytes(config_dtype(config) if dtype_or_bits is None else dtype_or_bits)
 
 
 def crossover_context(
@@ -147,7 +147,7 @@ def crossover_context(
 
     Sliding-window layers stop growing, so a model whose every layer slides may never get there.
     """
-    _check_count("batch_size", batch_size)
+    check_count("batch_size", batch_size)
     target = weight_bytes(config, weight_dtype)
     spec, _ = _spec_and_bytes(config, dtype)
     if not any(layer.kind in ("full", "mla") for layer in spec.layers):

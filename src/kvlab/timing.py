@@ -24,7 +24,7 @@ from kvlab.arch import describe
 from kvlab.hardware import Accelerator, Measurement
 from kvlab.measure import Timer, percentiles
 from kvlab.roofline import StepEstimate, decode_step
-from kvlab.sizing import _check_count
+from kvlab.sizing import check_count
 
 
 @dataclass(frozen=True)
@@ -64,10 +64,10 @@ def measure_decode_step(
     sees the same length. Only the forward pass is timed. Where a sliding-window layer is already full the
     cache cannot be cropped; its full-attention layers then grow by one token per repeat.
     """
-    _check_count("batch_size", batch_size)
-    _check_count("context_len", context_len)
-    _check_count("repeat", repeat)
-    _check_count("warmup", warmup, 0)
+    check_count("batch_size", batch_size)
+    check_count("context_len", context_len)
+    check_count("repeat", repeat)
+    check_count("warmup", warmup, 0)
     ids = _ids(model, batch_size, context_len, seed)
     cache = DynamicCache(config=model.config)
     if context_len > 1:
@@ -96,10 +96,10 @@ def measure_prefill(
 ) -> StepTiming:
     """Seconds to prefill `batch_size` prompts of `prompt_len` tokens into a fresh cache (logits of the last
     token only, as generation computes them): the time to first token without queueing or sampling."""
-    _check_count("batch_size", batch_size)
-    _check_count("prompt_len", prompt_len)
-    _check_count("repeat", repeat)
-    _check_count("warmup", warmup, 0)
+    check_count("batch_size", batch_size)
+    check_count("prompt_len", prompt_len)
+    check_count("repeat", repeat)
+    check_count("warmup", warmup, 0)
     ids = _ids(model, batch_size, prompt_len, seed)
     times = []
     for i in range(warmup + repeat):
