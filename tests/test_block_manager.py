@@ -138,3 +138,24 @@ def test_allocation_is_all_or_nothing():
     other = Sequence([2] * 3)
     assert bm.allocate(other, 3) is None
     assert other.block_table == [] and bm.num_free_blocks == 0
+
+
+def test_predicted_fragmentation_counts_last_block_waste_and_entries():
+    from kvlab.block_manager import predicted_fragmentation
+
+    frag = predicted_fragmentation([1, 4, 5, 8], block_size=4)
+    assert frag.last_block_waste == (3 + 0 + 3 + 0) / 4 and frag.table_entries == (1 + 1 + 2 + 2) / 4
+    # Lengths spread evenly over a block: (B - 1) / 2 tokens wasted, whatever the lengths.
+    assert predicted_fragmentation(range(100, 164), 16).last_block_waste == 7.5
+    assert predicted_fragmentation(range(1, 50), 1).last_block_waste == 0
+    with pytest.raises(ValueError):
+        predicted_fragmentation([], 4)
+
+
+def test_num_cached_blocks_outlives_the_request():
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    seq = Sequence(list(range(2, 12)))  # 10 tokens: 2 full blocks
+    bm.allocate(seq, 10)
+    assert bm.num_cached_blocks == 2
+    bm.free(seq)
+    assert bm.num_used_blocks == 0 and bm.num_cached_blocks == 2

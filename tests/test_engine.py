@@ -170,3 +170,25 @@ def test_num_blocks_from_memory_budget_logs_capacity(llama, caplog):
     assert "Maximum concurrency" in caplog.text and f"{engine.block_manager.num_blocks} blocks" in caplog.text
     with pytest.raises(ValueError, match="no room"):
         LLMEngine(llama, memory_budget_bytes=weights)
+
+
+def test_measured_fragmentation_equals_prediction_and_occupancy(llama):
+    from kvlab.block_manager import predicted_fragmentation
+    from kvlab.engine import mean_batch_occupancy, measured_fragmentation
+    from kvlab.workloads import resident_lengths
+
+    trace = synthetic_trace(
+        10, "alpaca", request_rate=50.0, scale=0.5, seed=5, max_input_len=30, max_output_len=20
+    )
+    for num_blocks in (64, 12):  # roomy, and short enough to preempt
+        engine = LLMEngine(llama, block_size=4, num_blocks=num_blocks, max_num_seqs=4, clock="virtual")
+        engine.replay(trace)
+        assert measured_fragmentation(engine.step_stats) == predicted_fragmentation(
+            resident_lengths(trace), 4
+        )
+        occupancy = mean_batch_occupancy(engine.step_stats)
+        assert 0 < occupancy <= 4
+    assert engine.scheduler.num_preemptions > 0
+    assert mean_batch_occupancy([]) == 0.0
+    with pytest.raises(ValueError):
+        measured_fragmentation([])

@@ -82,3 +82,10 @@ def test_shared_system_prompt_fraction():
     prefix = sharing[0].prompt_token_ids[:32]
     assert all(r.prompt_token_ids[:32] == prefix for r in sharing)
     assert sum(r.prompt_token_ids[:32] == prefix for r in trace) == len(sharing)
+
+
+def test_resident_lengths_one_per_request_step():
+    from kvlab.workloads import TraceRequest, resident_lengths
+
+    trace = [TraceRequest(0.0, (5, 6, 7), 4), TraceRequest(0.0, (5,), 1)]
+    assert resident_lengths(trace) == [3, 4, 5]  # the one-token request retires in its prefill step

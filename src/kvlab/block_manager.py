@@ -15,12 +15,33 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from kvlab.sequence import Sequence
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class Fragmentation:
+    """Per sequence, averaged over (sequence, step) pairs: the two costs a block size trades."""
+
+    last_block_waste: float  # empty token slots in the sequence's last block
+    table_entries: float  # blocks in its block table
+
+
+def predicted_fragmentation(context_lengths: Iterable[int], block_size: int) -> Fragmentation:
+    """Paged allocation's cost for sequences holding these numbers of tokens: `ceil(n / B)` blocks each, and
+    `ceil(n / B) * B - n` empty slots, all in the last block. For lengths spread evenly over a block the waste
+    averages `(B - 1) / 2` tokens whatever the lengths; the table grows as `n / B`."""
+    lengths = list(context_lengths)
+    if not lengths:
+        raise ValueError("need at least one context length")
+    entries = [blocks_for(n, block_size) for n in lengths]
+    waste = sum(b * block_size - n for b, n in zip(entries, lengths, strict=True))
+    return Fragmentation(waste / len(lengths), sum(entries) / len(lengths))
 
 
 class BlockAllocator:
@@ -79,6 +100,11 @@ class BlockManager:
         self.prefix_hit_tokens = 0  # of those, tokens served from cached blocks
         self.prefix_queries = 0  # admissions that looked up
         self.prefix_hit_requests = 0  # admissions with at least one cached block
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a published prefix, in use or free but not yet evicted."""
+        return len(self.cached)
 
     @property
     def num_blocks(self) -> int:

@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel
 
-from kvlab.block_manager import BlockManager, ContiguousBlockManager, blocks_for
+from kvlab.block_manager import BlockManager, ContiguousBlockManager, Fragmentation, blocks_for
 from kvlab.clock import Clock, VirtualClock, WallClock
 from kvlab.measure import MemoryTracker
 from kvlab.metrics import RequestMetrics
@@ -73,6 +73,20 @@ def mean_kv_utilisation(stats: Sequence[StepStats]) -> float:
     """Utilisation over a run: slots holding tokens / slots reserved, summed over steps."""
     reserved = sum(s.reserved_token_slots for s in stats)
     return sum(s.used_token_slots for s in stats) / reserved if reserved else 1.0
+
+
+def measured_fragmentation(stats: Sequence[StepStats]) -> Fragmentation:
+    """Per running sequence and step: empty slots of blocks in use, and blocks in use (no prefix sharing)."""
+    seq_steps = sum(s.num_running for s in stats)
+    if not seq_steps:
+        raise ValueError("no step ran a sequence")
+    waste = sum(s.reserved_token_slots - s.used_token_slots for s in stats)
+    return Fragmentation(waste / seq_steps, sum(s.blocks_used for s in stats) / seq_steps)
+
+
+def mean_batch_occupancy(stats: Sequence[StepStats]) -> float:
+    """Sequences in the running batch after each step, averaged over steps."""
+    return sum(s.num_running for s in stats) / len(stats) if stats else 0.0
 
 
 def _eos_ids(model: PreTrainedModel) -> set[int]:

@@ -11,6 +11,7 @@ for CPU-sized runs while keeping the shape. Token ids are random; the engine's w
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,3 +85,17 @@ def synthetic_trace(
         own = tuple(int(x) for x in rng.integers(2, vocab_size, size=n_in))
         trace.append(TraceRequest(float(t), (prefix if shares else ()) + own, int(n_out), bool(shares)))
     return trace
+
+
+def resident_lengths(trace: Iterable[TraceRequest]) -> list[int]:
+    """Tokens each request holds in the cache at the end of each engine step it runs, one per (request, step).
+
+    The prefill step leaves the prompt's `p` tokens; each decode step computes one more; the step that samples
+    the last of `n` output tokens retires the request. So `p, p + 1, ..., p + n - 2`. Preemption by recompute
+    and chunks that cover the whole prompt in one step leave the same list, spread over more steps.
+    """
+    return [
+        length
+        for r in trace
+        for length in range(len(r.prompt_token_ids), len(r.prompt_token_ids) + r.max_tokens - 1)
+    ]
