@@ -92,7 +92,7 @@ def resident_lengths(trace: Iterable[TraceRequest]) -> list[int]:
 
     The prefill step leaves the prompt's `p` tokens; each decode step computes one more; the step that samples
     the last of `n` output tokens retires the request. So `p, p + 1, ..., p + n - 2`. Preemption by recompute
-    and chunks that cover the whole prompt in one step leave the same list, spread over more steps.
+    leaves the same list, spread over more steps, as long as every (re-)prefill fits one step's token budget.
     """
     return [
         length
