@@ -192,3 +192,15 @@ def test_measured_fragmentation_equals_prediction_and_occupancy(llama):
     assert mean_batch_occupancy([]) == 0.0
     with pytest.raises(ValueError):
         measured_fragmentation([])
+
+
+def test_prefix_hits_equal_prediction_on_a_shared_prefix_trace(llama):
+    from kvlab.workloads import predicted_prefix_hit_tokens
+
+    trace = synthetic_trace(
+        8, "alpaca", request_rate=50.0, seed=6, shared_prefix_len=10, shared_prefix_fraction=0.6,
+        max_input_len=20, max_output_len=6,
+    )  # fmt: skip
+    engine = LLMEngine(llama, block_size=4, num_blocks=128, enable_prefix_caching=True, clock="virtual")
+    engine.replay(trace)
+    assert engine.block_manager.prefix_hit_tokens == predicted_prefix_hit_tokens(trace, 10, 4) > 0

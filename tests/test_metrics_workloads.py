@@ -89,3 +89,17 @@ def test_resident_lengths_one_per_request_step():
 
     trace = [TraceRequest(0.0, (5, 6, 7), 4), TraceRequest(0.0, (5,), 1)]
     assert resident_lengths(trace) == [3, 4, 5]  # the one-token request retires in its prefill step
+
+
+def test_predicted_prefix_hit_tokens_whole_blocks_after_the_first_sharer():
+    from kvlab.workloads import TraceRequest, predicted_prefix_hit_tokens
+
+    prefix = tuple(range(2, 12))  # 10 tokens: 2 whole blocks of 4
+    trace = [
+        TraceRequest(0.0, prefix + (50, 51), 3, True),  # first sharer: nothing cached yet
+        TraceRequest(0.0, (60,) * 12, 3, False),
+        TraceRequest(0.0, prefix + (52,), 3, True),  # 11 tokens: 2 blocks
+        TraceRequest(0.0, prefix[:8], 3, True),  # 8 tokens: the last one is computed, so 1 block
+    ]
+    assert predicted_prefix_hit_tokens(trace, len(prefix), 4) == 8 + 4
+    assert predicted_prefix_hit_tokens(trace, 3, 4) == 0  # shorter than a block

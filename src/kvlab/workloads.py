@@ -99,3 +99,17 @@ def resident_lengths(trace: Iterable[TraceRequest]) -> list[int]:
         for r in trace
         for length in range(len(r.prompt_token_ids), len(r.prompt_token_ids) + r.max_tokens - 1)
     ]
+
+
+def predicted_prefix_hit_tokens(
+    trace: Iterable[TraceRequest], shared_prefix_len: int, block_size: int
+) -> int:
+    """Prompt tokens a prefix cache serves on a trace whose sharing requests start with one common prefix.
+
+    Only whole blocks are cached, and a request must still compute at least its last prompt token, so a sharing
+    request can reuse `min(P // B, (p - 1) // B)` blocks of `B` tokens; the first sharing request finds nothing.
+    Assumes nothing is evicted or preempted and the requests' own tokens never repeat a block.
+    """
+    sharing = [len(r.prompt_token_ids) for r in trace if r.shares_prefix]
+    per_request = [min(shared_prefix_len // block_size, (p - 1) // block_size) * block_size for p in sharing]
+    return sum(per_request[1:])
