@@ -37,7 +37,7 @@ pytest: install
 	$(BIN)/pytest tests -p no:cacheprovider
 
 nbval: install
-	$(BIN)/pytest --nbval $(NOTEBOOKS) --sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider -q
+	$(BIN)/pytest --nbval $(NOTEBOOKS) --sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
 
 smoke: install
 	$(PY) tests/smoke_sweep.py
