@@ -159,3 +159,13 @@ def test_num_cached_blocks_outlives_the_request():
     assert bm.num_cached_blocks == 2
     bm.free(seq)
     assert bm.num_used_blocks == 0 and bm.num_cached_blocks == 2
+
+
+def test_block_hash_is_chained_stable_and_content_addressed():
+    from kvlab.block_manager import block_hash
+
+    root = block_hash(None, [1, 2, 3, 4])
+    assert root == block_hash(None, [1, 2, 3, 4])  # not seeded per process, unlike hash()
+    assert root != block_hash(None, [1, 2, 3, 5])
+    assert block_hash(root, [5, 6, 7, 8]) != block_hash(block_hash(None, [9, 9, 9, 9]), [5, 6, 7, 8])
+    assert 0 < root < 2**128

@@ -75,6 +75,9 @@ def test_prefix_caching_keeps_outputs_and_hits(llama, num_blocks):
     assert bm.prefix_hit_requests >= 4 and 0 < bm.prefix_hit_rate < 1 and bm.request_hit_rate >= 0.8
     assert runs[False].block_manager.prefix_hit_tokens == 0
     assert bm.num_free_blocks == bm.num_blocks
+    assert bm.prefix_queries == len(prompts), "each request is looked up once, re-admissions are not counted"
+    if num_blocks == 16:
+        assert runs[True].scheduler.num_preemptions > 0
 
 
 def test_sliding_window_mistral_equals_generate():

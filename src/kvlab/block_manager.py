@@ -13,11 +13,25 @@ per request at admission. On the same pool and trace, it shows how much reserved
 
 from __future__ import annotations
 
+import array
+import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvlab.sequence import Sequence
+
+
+def block_hash(parent: int | None, tokens: list[int]) -> int:
+    """A full block's identity: SHA-256 of its parent's hash and its token ids, as a 128-bit integer.
+
+    Chaining makes equal hashes mean equal whole prefixes; a cryptographic hash (as vLLM offers) makes a
+    collision, which would silently serve another prompt's K and V, practically impossible.
+    """
+    digest = hashlib.sha256()
+    digest.update(b"root" if parent is None else parent.to_bytes(16, "little"))
+    digest.update(array.array("q", tokens).tobytes())
+    return int.from_bytes(digest.digest()[:16], "little")
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -142,7 +156,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_tokens // bs):
             parent = seq.block_hashes[i - 1] if i else None
-            seq.block_hashes.append(hash((parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))))
+            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         return seq.block_hashes
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
@@ -181,7 +195,9 @@ class BlockManager:
             self.allocator.share(block_id)
         seq.block_table = list(hits)
         seq.num_computed_tokens = cached
-        if self.enable_prefix_caching:
+        # Hit statistics count each request once, at its first admission: a request re-admitted after
+        # preemption finds its own blocks again, which is recomputation saved, not prefix sharing.
+        if self.enable_prefix_caching and seq.metrics.num_preemptions == 0:
             self.prefix_queries += 1
             self.prefix_query_tokens += seq.num_tokens
             self.prefix_hit_tokens += cached
