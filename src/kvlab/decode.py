@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import DynamicCache, PreTrainedModel
 
 from kvlab.measure import cache_tensor_bytes, time_call
+from kvlab.timing import measure_decode_step, random_ids
 
 
 @dataclass
@@ -26,10 +27,6 @@ class DecodeResult:
     cache_bytes_per_step: list[int] = field(default_factory=list)
 
 
-def _device(model: PreTrainedModel) -> torch.device:
-    return next(model.parameters()).device
-
-
 @torch.inference_mode()
 def greedy_decode(
     model: PreTrainedModel, input_ids: torch.Tensor, max_new_tokens: int, use_cache: bool = True
@@ -38,7 +35,7 @@ def greedy_decode(
 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    ids = input_ids.to(_device(model))
+    ids = input_ids.to(model.device)
     cache = DynamicCache(config=model.config) if use_cache else None
     step_input, history = ids, ids
     steps_logits, cache_bytes = [], []
@@ -71,16 +68,11 @@ def step_cost(
     model: PreTrainedModel, history: int, batch_size: int = 1, repeat: int = 5, seed: int = 0
 ) -> StepCost:
     """Cost of producing token `history + 1`: from a cache of `history` tokens, or from scratch."""
-    from kvlab.timing import measure_decode_step
-
     if history < 1:
         raise ValueError(f"history must be >= 1, got {history}")
-    device = _device(model)
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(
-        0, model.config.get_text_config().vocab_size, (batch_size, history + 1), generator=generator
-    )
-    ids = ids.to(device)
+    # The same seeded ids as the timed cached step below, so FLOPs and time describe one computation.
+    ids = random_ids(model, batch_size, history + 1, seed)
+    device = ids.device
     cache = DynamicCache(config=model.config)
     model(ids[:, :-1], cache=cache, use_cache=True)
     flops = []

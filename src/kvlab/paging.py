@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from weakref import WeakKeyDictionary
 
 import torch
 import torch.nn.functional as F
@@ -228,10 +229,21 @@ def paged_attention_forward(
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 
 
+_CONFIGS: WeakKeyDictionary[PreTrainedModel, list[PretrainedConfig]] = WeakKeyDictionary()
+
+
+def _attention_configs(model: PreTrainedModel) -> list[PretrainedConfig]:
+    """Every distinct config object among the model's modules, found once per model (this runs every step)."""
+    if model not in _CONFIGS:
+        found = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+        _CONFIGS[model] = list(found.values())
+    return _CONFIGS[model]
+
+
 @contextmanager
 def use_paged_attention(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
     """Route the model's attention layers to `paged_attention_forward` inside the block, then restore."""
-    configs = [c for c in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values()]
+    configs = _attention_configs(model)
     saved = [c._attn_implementation for c in configs]
     for c in configs:
         c._attn_implementation = ATTN_IMPLEMENTATION

@@ -42,7 +42,8 @@ class StepTiming:
         return min(self.seconds)
 
 
-def _ids(model: PreTrainedModel, batch_size: int, length: int, seed: int) -> torch.Tensor:
+def random_ids(model: PreTrainedModel, batch_size: int, length: int, seed: int) -> torch.Tensor:
+    """Seeded token ids on the model's device: a dense model's step time does not depend on which tokens."""
     vocab = model.config.get_text_config(decoder=True).vocab_size
     ids = torch.randint(0, vocab, (batch_size, length), generator=torch.Generator().manual_seed(seed))
     return ids.to(model.device)
@@ -68,7 +69,7 @@ def measure_decode_step(
     check_count("context_len", context_len)
     check_count("repeat", repeat)
     check_count("warmup", warmup, 0)
-    ids = _ids(model, batch_size, context_len, seed)
+    ids = random_ids(model, batch_size, context_len, seed)
     cache = DynamicCache(config=model.config)
     if context_len > 1:
         model(ids[:, :-1], cache=cache, use_cache=True, logits_to_keep=1)
@@ -100,7 +101,7 @@ def measure_prefill(
     check_count("prompt_len", prompt_len)
     check_count("repeat", repeat)
     check_count("warmup", warmup, 0)
-    ids = _ids(model, batch_size, prompt_len, seed)
+    ids = random_ids(model, batch_size, prompt_len, seed)
     times = []
     for i in range(warmup + repeat):
         cache = DynamicCache(config=model.config)
