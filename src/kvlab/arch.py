@@ -14,12 +14,12 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-LayerKind = Literal["full", "sliding", "mla", "none"]
+from kvlab.layers import FullAttention, LayerSpec, MLAttention, NoCache, SlidingWindowAttention
 
 
 class UnknownModelError(KeyError):
@@ -487,42 +487,6 @@ def _deepcopy(fields: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class LayerSpec:
-    """What one layer adds to the cache per token (per sequence)."""
-
-    kind: LayerKind
-    kv_heads: int = 0
-    head_dim: int = 0  # of K
-    v_head_dim: int = 0  # of V; differs from head_dim only for MLA's expanded form
-    window: int | None = None  # sliding layers: the attention window in tokens
-    latent_dim: int = 0  # MLA: kv_lora_rank, stored instead of per-head K and V
-    rope_dim: int = 0  # MLA: the decoupled rotary key, stored beside the latent
-
-    @property
-    def elements_per_token(self) -> int:
-        """Elements this layer stores per token, in the form transformers caches."""
-        if self.kind == "none":
-            return 0
-        if self.kind == "mla":
-            return self.latent_dim + self.rope_dim
-        return self.kv_heads * (self.head_dim + self.v_head_dim)
-
-    @property
-    def expanded_elements_per_token(self) -> int:
-        """Elements per token if K and V were stored per head (MLA's K/V before compression)."""
-        return self.kv_heads * (self.head_dim + self.v_head_dim)
-
-    def tokens_kept(self, seq_len: int) -> int:
-        """Tokens this layer holds after a forward over `seq_len` tokens (transformers' DynamicCache rules)."""
-        if self.kind == "none":
-            return 0
-        if self.kind == "sliding":
-            # DynamicSlidingWindowLayer keeps the last window - 1 tokens: the next query is the window's last.
-            return min(seq_len, self.window - 1)
-        return seq_len
-
-
-@dataclass(frozen=True)
 class ArchSpec:
     """Per-layer cache layout of a model, plus the shape facts the book quotes."""
 
@@ -546,11 +510,16 @@ class ArchSpec:
     @property
     def kv_heads(self) -> int:
         """KV heads of the attention layers (MLA counts its single shared latent as one)."""
-        return max((1 if s.kind == "mla" else s.kv_heads) for s in self.layers if s.kind != "none")
+        return max(layer.cache_heads for layer in self.layers)
 
     @property
     def head_dim(self) -> int:
-        return max(s.head_dim for s in self.layers if s.kind != "none")
+        return max(layer.key_dim for layer in self.layers)
+
+    @property
+    def grows(self) -> bool:
+        """Whether some layer's cache grows with the context (False if every layer slides or keeps nothing)."""
+        return any(layer.max_cached_tokens is None for layer in self.layers)
 
     @property
     def attention_type(self) -> str:
@@ -620,7 +589,7 @@ def describe(config: PretrainedConfig | str) -> ArchSpec:
         zip(layer_types, layer_kwargs, layer_configs, strict=True)
     ):
         if layer_type in _NONE:
-            layers.append(LayerSpec("none"))
+            layers.append(NoCache())
             continue
         if layer_type not in _FULL | _SLIDING:
             raise UnsupportedConfigError(
@@ -631,10 +600,9 @@ def describe(config: PretrainedConfig | str) -> ArchSpec:
                 raise UnsupportedConfigError(f"layer {index}: MLA with {layer_type!r} is not supported")
             n_heads = _positive(layer_config, "num_attention_heads", layer_config.num_attention_heads)
             layers.append(
-                LayerSpec(
-                    "mla",
-                    kv_heads=n_heads,
-                    head_dim=layer_config.qk_nope_head_dim + layer_config.qk_rope_head_dim,
+                MLAttention(
+                    num_heads=n_heads,
+                    qk_head_dim=layer_config.qk_nope_head_dim + layer_config.qk_rope_head_dim,
                     v_head_dim=layer_config.v_head_dim,
                     latent_dim=_positive(layer_config, "kv_lora_rank", layer_config.kv_lora_rank),
                     rope_dim=_positive(layer_config, "qk_rope_head_dim", layer_config.qk_rope_head_dim),
@@ -643,15 +611,14 @@ def describe(config: PretrainedConfig | str) -> ArchSpec:
             continue
         _, kv_heads, head_dim = _attention_shape(layer_config)
         if layer_type in _SLIDING:
-            window = kwargs["sliding_window"]
-            if not isinstance(window, int) or window < 2:
-                # transformers slices [-window + 1:], which keeps everything when window == 1.
-                raise UnsupportedConfigError(
-                    f"layer {index}: sliding window must be an integer >= 2, got {window!r}"
+            try:
+                layers.append(
+                    SlidingWindowAttention(kv_heads, head_dim, head_dim, window=kwargs["sliding_window"])
                 )
-            layers.append(LayerSpec("sliding", kv_heads, head_dim, head_dim, window=window))
+            except ValueError as err:
+                raise UnsupportedConfigError(f"layer {index}: {err}") from None
         else:
-            layers.append(LayerSpec("full", kv_heads, head_dim, head_dim))
+            layers.append(FullAttention(kv_heads, head_dim, head_dim))
     return ArchSpec(
         name=getattr(config, "name_or_path", "") or text.model_type,
         model_type=text.model_type,

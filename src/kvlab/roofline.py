@@ -39,7 +39,7 @@ from typing import Literal
 from transformers import PretrainedConfig
 
 from kvlab import hardware
-from kvlab.arch import ArchSpec, LayerSpec, describe, get_config
+from kvlab.arch import ArchSpec, describe, get_config
 from kvlab.sizing import (
     DType,
     check_count,
@@ -111,38 +111,15 @@ class ModelCost:
             return 0.0
         return self.num_experts * (1 - (1 - self.experts_per_token / self.num_experts) ** tokens)
 
-    def attention_flops(self, attended: float) -> float:
-        """FLOPs of one token's attention over `attended` tokens, in every layer (window-capped per layer)."""
-        return sum(_pair_flops(layer, self.spec) * _attended(layer, attended) for layer in self.spec.layers)
+    def attention_flops(self, context: float) -> float:
+        """FLOPs of one token's attention at sequence length `context`, in every layer (window-capped per layer)."""
+        heads = self.spec.num_attention_heads
+        return sum(layer.attention_flops(context, heads) for layer in self.spec.layers)
 
     def prefill_attention_flops(self, prompt_len: int) -> float:
         """FLOPs of causal attention over a prompt: token i attends to min(i + 1, window) tokens."""
-        total = 0.0
-        for layer in self.spec.layers:
-            if layer.kind == "none":
-                continue
-            p = prompt_len
-            w = layer.window if layer.kind == "sliding" else p
-            w = min(w, p)
-            pairs = w * (w + 1) / 2 + (p - w) * w  # the ramp up to the window, then full windows
-            total += _pair_flops(layer, self.spec) * pairs
-        return total
-
-
-def _pair_flops(layer: LayerSpec, spec: ArchSpec) -> int:
-    """FLOPs of one query token against one key token in `layer`: score plus weighted value, every head."""
-    if layer.kind == "none":
-        return 0
-    heads = spec.num_attention_heads
-    if layer.kind == "mla":  # absorbed form: score over latent + rope, values from the latent
-        return 2 * heads * (layer.latent_dim + layer.rope_dim + layer.latent_dim)
-    return 2 * heads * (layer.head_dim + layer.v_head_dim)
-
-
-def _attended(layer: LayerSpec, context: float) -> float:
-    if layer.kind == "none":
-        return 0.0
-    return min(context, layer.window) if layer.kind == "sliding" else context
+        heads = self.spec.num_attention_heads
+        return sum(layer.prefill_attention_flops(prompt_len, heads) for layer in self.spec.layers)
 
 
 def _routed_experts(text: PretrainedConfig) -> tuple[int, int, int]:

@@ -17,29 +17,9 @@ import torch
 from transformers import PretrainedConfig
 
 from kvlab.arch import ArchSpec, describe, get_config
+from kvlab.units import dtype_bytes
 
 DType = torch.dtype | str | None
-
-# Bytes per element. fp8/int8 caches also keep small per-block scales; those are not counted here.
-_DTYPE_BYTES = {
-    "fp32": 4,
-    "float32": 4,
-    "fp16": 2,
-    "float16": 2,
-    "bf16": 2,
-    "bfloat16": 2,
-    "fp8": 1,
-    "int8": 1,
-}
-
-
-def dtype_bytes(dtype: DType) -> int:
-    """Bytes per element of a torch dtype or one of "fp32", "fp16", "bf16", "fp8", "int8"."""
-    if isinstance(dtype, torch.dtype):
-        return dtype.itemsize
-    if isinstance(dtype, str) and dtype.lower() in _DTYPE_BYTES:
-        return _DTYPE_BYTES[dtype.lower()]
-    raise ValueError(f"unknown dtype {dtype!r}; use a torch dtype or one of {sorted(set(_DTYPE_BYTES))}")
 
 
 def config_dtype(config: PretrainedConfig) -> DType:
@@ -68,7 +48,7 @@ def kv_bytes_per_token(config: PretrainedConfig | str, dtype: DType = None) -> i
 def kv_bytes_per_token_expanded(config: PretrainedConfig | str, dtype: DType = None) -> int:
     """Per-token bytes if every layer kept per-head K and V (for MLA: what the latent replaces)."""
     spec, nbytes = _spec_and_bytes(config, dtype)
-    return sum(layer.expanded_elements_per_token for layer in spec.layers if layer.kind != "none") * nbytes
+    return sum(layer.expanded_elements_per_token for layer in spec.layers) * nbytes
 
 
 def kv_cache_bytes(
@@ -84,7 +64,7 @@ def kv_cache_bytes(
     return (
         batch_size
         * nbytes
-        * sum(layer.tokens_kept(seq_len) * layer.elements_per_token for layer in spec.layers)
+        * sum(layer.cached_tokens(seq_len) * layer.elements_per_token for layer in spec.layers)
     )
 
 
@@ -150,8 +130,8 @@ def crossover_context(
     check_count("batch_size", batch_size)
     target = weight_bytes(config, weight_dtype)
     spec, _ = _spec_and_bytes(config, dtype)
-    if not any(layer.kind in ("full", "mla") for layer in spec.layers):
-        longest = max((layer.window - 1 for layer in spec.layers if layer.kind == "sliding"), default=0)
+    if not spec.grows:
+        longest = max(layer.max_cached_tokens or 0 for layer in spec.layers)
         if kv_cache_bytes(config, longest, batch_size, dtype) < target:
             return None
     # kv_cache_bytes is non-decreasing in seq_len: bisect.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 _TOKEN_SCALE = {"k": 1024, "m": 1024 * 1024}
 
 
@@ -39,3 +41,25 @@ def format_tokens(n: int) -> str:
     if n >= 1024 and n % 1024 == 0:
         return f"{n // 1024}k"
     return str(n)
+
+
+# Bytes per element. fp8/int8 caches also keep small per-block scales; those are not counted here.
+_DTYPE_BYTES = {
+    "fp32": 4,
+    "float32": 4,
+    "fp16": 2,
+    "float16": 2,
+    "bf16": 2,
+    "bfloat16": 2,
+    "fp8": 1,
+    "int8": 1,
+}
+
+
+def dtype_bytes(dtype: torch.dtype | str | None) -> int:
+    """Bytes per element of a torch dtype or one of "fp32", "fp16", "bf16", "fp8", "int8"."""
+    if isinstance(dtype, torch.dtype):
+        return dtype.itemsize
+    if isinstance(dtype, str) and dtype.lower() in _DTYPE_BYTES:
+        return _DTYPE_BYTES[dtype.lower()]
+    raise ValueError(f"unknown dtype {dtype!r}; use a torch dtype or one of {sorted(set(_DTYPE_BYTES))}")

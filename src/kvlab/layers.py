@@ -1,0 +1,186 @@
+"""Layer kinds and what each one caches, attends to and computes, in one place.
+
+Every decoder layer is one of four kinds, mapped from transformers' `layer_types` the way transformers maps a
+layer type to its cache-layer class (`cache_utils.LAYER_CLASS_MAP`):
+
+- `FullAttention`: K and V per KV head for every past token (`DynamicLayer`);
+- `SlidingWindowAttention`: the same, but only the last `window - 1` tokens are kept (`DynamicSlidingWindowLayer`:
+  the next query is the window's last position) and a query attends to at most `window` keys;
+- `MLAttention`: DeepSeek's multi-head latent attention; the cache holds one `kv_lora_rank` latent plus the
+  decoupled rotary key per token, shared by all heads (DeepSeek-AI, 2024, arXiv:2405.04434, §2.1);
+- `NoCache`: layers that keep no per-token K/V (linear attention, Mamba, convolution, dummy layers).
+
+Sizing (`kvlab.sizing`), the roofline (`kvlab.roofline`) and timing (`kvlab.timing`) ask the layer, never its
+kind's name, so a new kind is one class here. Chapters: *Sizing the cache*, *Why decode is bandwidth-bound*.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+
+from kvlab.units import dtype_bytes
+
+LayerKind = Literal["full", "sliding", "mla", "none"]
+
+
+@dataclass(frozen=True)
+class LayerSpec(ABC):
+    """What one layer of one sequence caches per token, and the attention work it does."""
+
+    kind: ClassVar[LayerKind]
+
+    @property
+    @abstractmethod
+    def elements_per_token(self) -> int:
+        """Elements this layer stores per token, in the form transformers caches."""
+
+    @property
+    def expanded_elements_per_token(self) -> int:
+        """Elements per token if K and V were stored per head (for MLA: what its latent replaces)."""
+        return self.elements_per_token
+
+    @property
+    def cache_heads(self) -> int:
+        """KV heads this layer caches (MLA's single shared latent counts as one)."""
+        return 0
+
+    @property
+    def key_dim(self) -> int:
+        """Width of one head's key as the scores use it (0 where the layer has no attention)."""
+        return 0
+
+    def kv_bytes_per_token(self, dtype: torch.dtype | str) -> int:
+        """Bytes one more token adds to this layer while it still grows."""
+        return self.elements_per_token * dtype_bytes(dtype)
+
+    @property
+    def max_cached_tokens(self) -> int | None:
+        """Tokens this layer holds at most per sequence; None where it grows with the context."""
+        return None
+
+    def cached_tokens(self, context: int) -> int:
+        """Tokens this layer holds after a forward over `context` tokens (transformers' `DynamicCache` rules)."""
+        cap = self.max_cached_tokens
+        return context if cap is None else min(context, cap)
+
+    def attended(self, context: float) -> float:
+        """Keys one query attends to when the sequence is `context` tokens long, counting itself."""
+        return context
+
+    @property
+    @abstractmethod
+    def pair_flops_per_head(self) -> int:
+        """FLOPs of one query against one key in one head: the q·k score plus the weighted sum of v."""
+
+    def attention_flops(self, context: float, num_heads: int) -> float:
+        """FLOPs of one query token's attention when the sequence is `context` tokens long, all heads."""
+        return num_heads * self.pair_flops_per_head * self.attended(context)
+
+    def prefill_attention_flops(self, prompt_len: int, num_heads: int) -> float:
+        """FLOPs of causal attention over a prompt: token i (1-based) attends to `attended(i)` keys."""
+        return num_heads * self.pair_flops_per_head * self.prefill_pairs(prompt_len)
+
+    def prefill_pairs(self, prompt_len: int) -> float:
+        """Query-key pairs of a causal prefill, summed over the triangle."""
+        return prompt_len * (prompt_len + 1) / 2
+
+
+@dataclass(frozen=True)
+class FullAttention(LayerSpec):
+    kind: ClassVar[LayerKind] = "full"
+    kv_heads: int
+    head_dim: int  # of K
+    v_head_dim: int  # of V
+
+    @property
+    def elements_per_token(self) -> int:
+        return self.kv_heads * (self.head_dim + self.v_head_dim)
+
+    @property
+    def cache_heads(self) -> int:
+        return self.kv_heads
+
+    @property
+    def key_dim(self) -> int:
+        return self.head_dim
+
+    @property
+    def pair_flops_per_head(self) -> int:
+        return 2 * (self.head_dim + self.v_head_dim)
+
+
+@dataclass(frozen=True)
+class SlidingWindowAttention(FullAttention):
+    kind: ClassVar[LayerKind] = "sliding"
+    window: int  # attention window in tokens, the query included
+
+    def __post_init__(self) -> None:
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 2:
+            # transformers slices [-window + 1:], which keeps everything when window == 1.
+            raise ValueError(f"a sliding window must be an integer >= 2, got {self.window!r}")
+
+    @property
+    def max_cached_tokens(self) -> int:
+        return self.window - 1
+
+    def attended(self, context: float) -> float:
+        return min(context, self.window)
+
+    def prefill_pairs(self, prompt_len: int) -> float:
+        w = min(self.window, prompt_len)
+        return w * (w + 1) / 2 + (prompt_len - w) * w  # the ramp up to the window, then full windows
+
+
+@dataclass(frozen=True)
+class MLAttention(LayerSpec):
+    kind: ClassVar[LayerKind] = "mla"
+    num_heads: int
+    qk_head_dim: int  # nope + rope part of each head's key, after up-projection
+    v_head_dim: int
+    latent_dim: int  # kv_lora_rank, stored instead of per-head K and V
+    rope_dim: int  # the decoupled rotary key, stored beside the latent
+
+    @property
+    def elements_per_token(self) -> int:
+        return self.latent_dim + self.rope_dim
+
+    @property
+    def expanded_elements_per_token(self) -> int:
+        return self.num_heads * (self.qk_head_dim + self.v_head_dim)
+
+    @property
+    def cache_heads(self) -> int:
+        return 1
+
+    @property
+    def key_dim(self) -> int:
+        return self.qk_head_dim
+
+    @property
+    def pair_flops_per_head(self) -> int:
+        # Absorbed form, as serving engines run it: score against latent + rope, values from the latent.
+        return 2 * (self.latent_dim + self.rope_dim + self.latent_dim)
+
+
+@dataclass(frozen=True)
+class NoCache(LayerSpec):
+    kind: ClassVar[LayerKind] = "none"
+
+    @property
+    def elements_per_token(self) -> int:
+        return 0
+
+    @property
+    def max_cached_tokens(self) -> int:
+        return 0
+
+    def attended(self, context: float) -> float:
+        return 0.0
+
+    @property
+    def pair_flops_per_head(self) -> int:
+        return 0
