@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvlab import arch, hardware, sizing
+from kvlab import arch, hardware, sizing, sweep
 from kvlab.units import format_bytes, format_tokens, parse_tokens
 
 
@@ -89,8 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         "--gpu", type=_gpu, help=f"check the plan against this GPU: {', '.join(hardware.names())}"
     )
     sub.add_parser("models", help="list the offline registry")
+    sweep.add_arguments(sub.add_parser("sweep", help="run a lab over a parameter grid; glued scalars to CSV"))
     args = parser.parse_args(argv)
     try:
+        if args.command == "sweep":
+            return sweep.main(args)
         if args.command == "models":
             print("\n".join(arch.registry()))
         else:
