@@ -1,0 +1,172 @@
+"""`kvlab sweep`: a small real sweep of chapter 1 (CSV, resume, a failing point), bad input, interrupts."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvlab import cli, sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+LAB1 = ROOT / "book/01_cache_contents/lab.ipynb"
+# Chapter 1 shrunk to seconds: 2 layers of 4 heads (head_dim 16), two short histories.
+TINY = [
+    "-p",
+    "layers=2",
+    "-p",
+    "hidden=64",
+    "-p",
+    "heads=4",
+    "-p",
+    "new_tokens=4",
+    "-p",
+    "history_lengths=[8, 64]",
+]
+TINY += ["-p", "repeat=2", "--no-progress"]
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open() as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_real_sweep_csv_resume_and_a_failing_point(tmp_path, capsys):
+    out = tmp_path / "ch1"
+    argv = ["sweep", str(LAB1), "--grid", "kv_heads=1,4", *TINY, "--out", str(out)]
+    assert cli.main([*argv, "--plot", "ch1_bytes_per_token"]) == 0
+    rows = read_csv(out / "results.csv")
+    assert [r["kv_heads"] for r in rows] == ["1", "4"] and {r["status"] for r in rows} == {"ok"}
+    for row in rows:  # layers x 2 (K and V) x kv_heads x head_dim 16 x 4 B (fp32)
+        assert int(row["ch1_bytes_per_token"]) == 2 * 2 * int(row["kv_heads"]) * 16 * 4
+        assert row["ch1_layers"] == "2"
+    assert (out / "ch1_bytes_per_token.png").stat().st_size > 0
+    assert "2 run, 0 already done" in capsys.readouterr().out
+
+    # Resume: the same command runs nothing and leaves the same CSV.
+    before = (out / "results.csv").read_text()
+    assert cli.main(argv) == 0
+    assert "0 run, 2 already done" in capsys.readouterr().out
+    assert (out / "results.csv").read_text() == before
+
+    # kv_heads=3 does not divide heads=4: the lab fails there; the point is recorded, the others kept.
+    grown = ["sweep", str(LAB1), "--grid", "kv_heads=1,3,4", *TINY, "--out", str(out)]
+    assert cli.main(grown) == 1
+    printed = capsys.readouterr().out
+    assert "1 run, 2 already done, 1 failed" in printed and "failed: kv_heads=3" in printed
+    rows = read_csv(out / "results.csv")
+    assert [(r["kv_heads"], r["status"]) for r in rows] == [("1", "ok"), ("3", "failed"), ("4", "ok")]
+    assert "ValueError" in rows[1]["error"] and "divide" in rows[1]["error"]
+    assert rows[0]["ch1_bytes_per_token"] == "256" and rows[1]["ch1_bytes_per_token"] == ""
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--grid", "kv_hedas=1,2"],
+            "unknown parameter 'kv_hedas'; the notebook's parameters are: family, layers",
+        ),
+        ([], "the grid is empty"),
+        (["--grid", "kv_heads="], "has an empty value"),
+        (["--grid", "kv_heads=1,,2"], "has an empty value"),
+        (["--grid", "kv_heads"], "--grid expects name=values, got 'kv_heads'"),
+        (["--grid", "kv_heads=1,two"], "cannot read 'two' as the int that parameter 'kv_heads' takes"),
+        (["--grid", "kv_heads=1", "-p", "kv_heads=2"], "both a --grid axis and a -p parameter"),
+        (["--grid", "kv_heads=1", "-p", "seed"], "-p expects name=value"),
+        (["--grid", "kv_heads=1", "--x", "layers"], "--x 'layers' is not a grid axis"),
+        (["--grid", "kv_heads=1", "--plot", "nope"], "the lab glues no scalar 'nope'; it glues: ch1_layers"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys, args, message):
+    assert cli.main(["sweep", str(LAB1), *args, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvlab: error: ") and message in err and err.count("\n") == 1
+    assert not (tmp_path / "runs").exists()  # nothing ran
+
+
+def test_missing_notebook_from_the_command_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvlab.cli", "sweep", "no/lab.ipynb", "--grid", "a=1", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == "kvlab: error: no such notebook: no/lab.ipynb\n"
+
+
+def test_values_take_the_type_of_the_default():
+    defaults = {"n": 4, "x": 0.5, "flag": False, "name": "llama", "lens": [16, 32], "model": None}
+    parsed = sweep.parse_assignments(
+        ["n=1,2,2", "x=1e-3", "flag=true,0", "name=qwen,2", "lens=[8, 64],[16]", "model=None,abc"],
+        defaults,
+        many=True,
+        flag="--grid",
+    )
+    assert parsed == {
+        "n": [1, 2],
+        "x": [0.001],
+        "flag": [True, False],
+        "name": ["qwen", "2"],
+        "lens": [[8, 64], [16]],
+        "model": [None, "abc"],
+    }
+    with pytest.raises(sweep.SweepError, match="cannot read 'yes please' as the bool"):
+        sweep.parse_value("flag", "yes please", False)
+
+
+def test_glued_scalars_of_a_stored_lab():
+    values = sweep.glued_scalars(ROOT / "book/02_sizing/lab.ipynb")
+    assert values["ch2_min_model"] == "tiiuae/falcon-7b"  # strings without their quotes
+    assert all(isinstance(v, (int, float, str, bool)) for v in values.values())
+    nb = {
+        "cells": [
+            {"outputs": [_glue("f", "<Figure size 700x420 with 1 Axes>"), _glue("r", "np.float64(0.25)")]}
+        ]
+    }
+    assert sweep.glued_scalars(nb) == {"r": 0.25}  # figures are not scalars; numpy reprs are
+
+
+def _glue(name: str, text: str) -> dict:
+    return {"data": {sweep.GLUE_MIME: text}, "metadata": {"scrapbook": {"name": name}}}
+
+
+def test_interrupt_loses_no_finished_point_and_failures_run_again(tmp_path, monkeypatch):
+    calls = []
+
+    def fake(s, point):  # no kernel: point 2 is interrupted, point 3 fails the first time
+        calls.append(point["n"])
+        if point["n"] == 2 and calls.count(2) == 1:
+            raise KeyboardInterrupt
+        ok = not (point["n"] == 3 and calls.count(3) == 1)
+        values = {"y": 10 * point["n"]} if ok else {}
+        status, error = ("ok", "") if ok else ("failed", "RuntimeError: boom")
+        return {"point": point, "parameters": point, "status": status, "error": error, "values": values}
+
+    monkeypatch.setattr(sweep, "run_point", fake)
+    plan = sweep.Sweep(LAB1, {"n": [1, 2, 3]}, out=tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run_sweep(plan, progress=False)
+    assert [r["n"] for r in read_csv(tmp_path / "results.csv")] == ["1"]
+    assert json.loads((tmp_path / "runs/n=1.json").read_text())["values"] == {"y": 10}
+
+    first = sweep.run_sweep(plan, progress=False)
+    assert (first.ran, first.skipped, first.failed) == (2, 1, 1)
+    second = sweep.run_sweep(plan, progress=False)  # the failed point is retried, the finished ones are not
+    assert (second.ran, second.skipped, second.failed) == (1, 2, 0)
+    assert calls == [1, 2, 2, 3, 3]
+    rows = read_csv(tmp_path / "results.csv")
+    assert [(r["n"], r["status"], r["y"]) for r in rows] == [
+        ("1", "ok", "10"),
+        ("2", "ok", "20"),
+        ("3", "ok", "30"),
+    ]
+    plotted = sweep.plot(plan, second.rows, "y")
+    assert plotted == tmp_path / "y.png" and plotted.stat().st_size > 0
+    with pytest.raises(sweep.SweepError, match="glued no scalar 'z'"):
+        sweep.plot(plan, second.rows, "z")
