@@ -20,18 +20,21 @@ MIXTRAL = "mistralai/Mixtral-8x7B-v0.1"
 
 
 def test_batch_one_decode_is_weights_plus_kv_over_bandwidth():
-    # Llama-2-7B in bf16: 6,738,415,616 params = 13,476,831,232 B; KV 2 × 32 layers × 32 heads × 128 × 2 B
-    # = 524,288 B per token, so 2,147,483,648 B at 4096 tokens. 15,624,314,880 B / 3.35e12 B/s = 4.664 ms.
+    # Llama-2-7B in bf16: 6,738,415,616 params = 13,476,831,232 B, of which the untied input embedding
+    # (32,000 × 4,096 × 2 B) is gathered, one row per token: the step reads 13,476,831,232 - 31,999 × 8,192
+    # = 13,214,695,424 B of weights. KV 2 × 32 layers × 32 heads × 128 × 2 B = 524,288 B per token, so
+    # 2,147,483,648 B at 4096 tokens. 15,362,179,072 B / 3.35e12 B/s = 4.586 ms.
     step = roofline.decode_step(LLAMA2, H100, batch_size=1, context_len=4096, dtype="bf16")
     assert step.bound == "memory"
-    assert step.weight_bytes == 13_476_831_232
+    assert step.weight_bytes == 13_214_695_424
     assert step.kv_bytes == 2_147_483_648
-    assert step.time_s == pytest.approx(15_624_314_880 / 3.35e12, rel=1e-12)
+    assert step.time_s == pytest.approx(15_362_179_072 / 3.35e12, rel=1e-12)
     assert (
         roofline.decode_step_time(LLAMA2, H100, batch_size=1, context_len=4096, dtype="bf16") == step.time_s
     )
+    unread_rows = (128_256 - 1) * 4096 * 2
     expected = (
-        sizing.weight_bytes(LLAMA3) + sizing.kv_cache_bytes(LLAMA3, 8192)
+        sizing.weight_bytes(LLAMA3) - unread_rows + sizing.kv_cache_bytes(LLAMA3, 8192)
     ) / H100.bandwidth_bytes_per_s
     assert roofline.decode_step_time(LLAMA3, "h100-sxm", context_len=8192) == pytest.approx(
         expected, rel=1e-12
@@ -59,7 +62,7 @@ def test_long_prefill_is_compute_bound_flops_over_peak():
     flops = 2 * (2 * (body * prompt + lm_head) + 4 * 32 * 32 * 128 * causal_pairs)
     assert step.flops == flops
     assert roofline.prefill_time(LLAMA3, H100, batch_size=2, prompt_len=prompt) == pytest.approx(
-        flops / H100.bf16_flops, rel=1e-12
+        flops / H100.flops, rel=1e-12
     )
     assert step.kv_bytes == sizing.kv_cache_bytes(LLAMA3, prompt, 2)
     # A one-token "prefill" is a decode step: memory-bound.
@@ -71,8 +74,11 @@ def test_critical_batch_is_where_the_terms_meet():
     # By hand: weights / bandwidth over (per-sequence compute time - per-sequence KV time).
     per_seq_flops = 2 * roofline.active_params(LLAMA3) + 4 * 32 * 32 * 128
     per_seq_kv = sizing.kv_cache_bytes(LLAMA3, 1)
-    weights_s = sizing.weight_bytes(LLAMA3) / H100.bandwidth_bytes_per_s
-    by_hand = weights_s / (per_seq_flops / H100.bf16_flops - per_seq_kv / H100.bandwidth_bytes_per_s)
+    # Weights less the input table, plus one gathered embedding row per sequence.
+    table = 128_256 * 4096 * 2
+    weights_s = (sizing.weight_bytes(LLAMA3) - table) / H100.bandwidth_bytes_per_s
+    per_seq_bytes = per_seq_kv + 4096 * 2
+    by_hand = weights_s / (per_seq_flops / H100.flops - per_seq_bytes / H100.bandwidth_bytes_per_s)
     assert b == pytest.approx(by_hand, rel=1e-9)
     assert 250 < b < 400  # the familiar "a few hundred" on an H100
     below = roofline.decode_step(LLAMA3, H100, math.floor(b), 1)
@@ -107,9 +113,10 @@ def test_moe_reads_only_routed_experts():
     assert cost.active_params + 32000 * 4096 == pytest.approx(12.9e9, rel=0.01)
     total = sizing.weight_bytes(MIXTRAL)
     one = roofline.decode_step(MIXTRAL, H100, 1, 1).weight_bytes
-    assert one == pytest.approx(total - experts * 2 * 6 / 8)
+    unread_rows = (32_000 - 1) * 4096 * 2  # the untied input table: one row gathered
+    assert one == pytest.approx(total - experts * 2 * 6 / 8 - unread_rows)
     many = roofline.decode_step(MIXTRAL, H100, 4096, 1).weight_bytes
-    assert many == pytest.approx(total, rel=1e-9)
+    assert many == pytest.approx(total - (32_000 - 4096) * 4096 * 2, rel=1e-9)  # 4096 rows gathered
     assert roofline.critical_batch_size(MIXTRAL, H100, 1) is not None
     # DeepSeek quotes 2.4B active for V2-Lite and 37B for V3.
     assert roofline.active_params("deepseek-ai/DeepSeek-V2-Lite") == pytest.approx(2.4e9, rel=0.05)
@@ -126,7 +133,7 @@ def test_measurement_stands_in_for_a_spec_entry():
         name="fake",
         memory_bytes=80 * 10**9,
         bandwidth_bytes_per_s=H100.bandwidth_bytes_per_s,
-        flops=H100.bf16_flops,
+        flops=H100.flops,
         flops_dtype="bfloat16",
         host_link_bytes_per_s=None,
         copy_bytes=2**28,

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         help="weight precision; 4 means 4-bit",
     )
     size.add_argument(
-        "--gpu", type=_gpu, help=f"check the plan against this GPU: {', '.join(hardware.names())}"
+        "--gpu", type=_gpu, help=f"check the plan against this GPU: {', '.join(hardware.registry())}"
     )
     sub.add_parser("models", help="list the offline registry")
     sweep.add_arguments(sub.add_parser("sweep", help="run a lab over a parameter grid; glued scalars to CSV"))

@@ -1,15 +1,20 @@
-"""Accelerator spec sheets: memory, memory bandwidth, dense bf16 compute and the host link.
+"""Accelerators: the memory the driver reports, memory bandwidth, dense compute and the host link.
 
-Every figure is the vendor's datasheet number, in SI units (1 GB = 1e9 bytes, 1 TB/s = 1e12 bytes/s). Compute is
-the dense figure (datasheets often headline the 2:4-sparse one, which is twice as large). Memory is the
-datasheet capacity; what a process can allocate is a little less (the driver and CUDA context keep some).
-The host link is the PCIe bandwidth per direction.
-Chapters: *Why decode is bandwidth-bound*, *Beyond HBM*, *Capacity planning*.
+`memory_bytes` is the capacity the driver reports: the total `nvidia-smi` prints, in MiB (2**20 bytes). It is
+more than the datasheet's decimal "80 GB" suggests (an H100 80GB reports 81,559 MiB = 79.6 GiB, an A100 80GB
+81,920 MiB = 80 GiB), and it is still more than any engine gives the KV cache: the CUDA context, the weights,
+the activation workspace and the engine's utilisation cap come off it first (`kvlab.budget`). The datasheet
+figure is kept as `datasheet_memory_bytes`.
+Bandwidth and compute are the vendor's datasheet numbers in SI units (1 TB/s = 1e12 bytes/s). Compute is the
+dense figure (datasheets often headline the 2:4-sparse one, which is twice as large) in `flops_dtype`: bf16,
+or fp16 on parts without bf16 tensor cores. The host link is the PCIe bandwidth per direction.
+Chapters: *Why decode is bandwidth-bound* (book/04_bandwidth_bound), *Active tokens* (book/05_active_tokens).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -19,47 +24,75 @@ from kvlab.measure import time_call
 GB = 10**9
 TB = 10**12
 TFLOPS = 10**12
+MiB = 2**20
 
 # PCIe x16 per direction: Gen3 ~15.75 GB/s, Gen4 ~31.5 GB/s, Gen5 ~63 GB/s (PCI-SIG specifications);
 # datasheets round these to 16/32/64 GB/s and quote those, which is what we store.
 _PCIE3, _PCIE4, _PCIE5 = 16 * GB, 32 * GB, 64 * GB
 
+# Where the driver-reported totals come from: `nvidia-smi`'s Memory-Usage column on an idle card. Each value was
+# checked against several public nvidia-smi logs (2026-11-30); the H100 one, for example, is printed in
+# huggingface/diffusers' torchao quantization README ("2MiB / 81559MiB" on an H100 80GB HBM3).
+_SMI = "nvidia-smi Memory-Usage total as printed by the driver on an idle card"
+
+
+@runtime_checkable
+class Ceilings(Protocol):
+    """Anything the roofline can run on: a spec-sheet `Accelerator` or a `Measurement` of this machine."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def bandwidth_bytes_per_s(self) -> float: ...
+
+    @property
+    def flops(self) -> float: ...
+
+
+class UnknownAcceleratorError(KeyError):
+    """An accelerator name the spec table does not hold."""
+
+    def __str__(self) -> str:  # KeyError would print the message in quotes
+        return str(self.args[0])
+
 
 @dataclass(frozen=True)
 class Accelerator:
     name: str
-    memory_bytes: int
+    memory_bytes: int  # what the driver reports (nvidia-smi total)
+    datasheet_memory_bytes: int  # the datasheet's decimal figure, e.g. 80 GB = 80e9
     bandwidth_bytes_per_s: float  # HBM/GDDR bandwidth
-    bf16_flops: float  # dense tensor-core peak, FLOP/s
+    flops: float  # dense tensor-core peak in `flops_dtype`, FLOP/s
     host_link_bytes_per_s: float  # host interface (PCIe) per direction
     interconnect_bytes_per_s: float | None  # GPU-to-GPU (NVLink) total, None where the part has none
-    source: str
+    source: str  # datasheet
+    memory_source: str = _SMI
+    flops_dtype: str = "bf16"
     note: str = ""
-
-    @property
-    def flops(self) -> float:
-        """The compute ceiling the roofline uses (a `Measurement` has its own): the dense bf16 peak."""
-        return self.bf16_flops
 
     @property
     def ridge_flops_per_byte(self) -> float:
         """Arithmetic intensity (FLOP per byte of memory traffic) where compute and bandwidth limits meet."""
-        return self.bf16_flops / self.bandwidth_bytes_per_s
+        return self.flops / self.bandwidth_bytes_per_s
 
 
 _SPECS = [
     Accelerator(
         "T4",
+        15360 * MiB,
         16 * GB,
         320 * GB,
         65 * TFLOPS,
         _PCIE3,
         None,
         "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/t4-tensor-core-datasheet-951643.pdf",
-        "T4 has no bf16 tensor cores; the figure is its fp16 tensor-core peak.",
+        flops_dtype="fp16",
+        note="T4 has no bf16 tensor cores; the figure is its fp16 tensor-core peak.",
     ),
     Accelerator(
         "L4",
+        23034 * MiB,
         24 * GB,
         300 * GB,
         121 * TFLOPS,
@@ -69,26 +102,29 @@ _SPECS = [
     ),
     Accelerator(
         "A100-40GB",
+        40960 * MiB,
         40 * GB,
         1555 * GB,
         312 * TFLOPS,
         _PCIE4,
         600 * GB,
         "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf",
-        "SXM4 form factor.",
+        note="SXM4 form factor.",
     ),
     Accelerator(
         "A100-80GB",
+        81920 * MiB,
         80 * GB,
         2039 * GB,
         312 * TFLOPS,
         _PCIE4,
         600 * GB,
         "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf",
-        "SXM4 form factor.",
+        note="SXM4 form factor.",
     ),
     Accelerator(
         "H100-SXM",
+        81559 * MiB,
         80 * GB,
         3.35 * TB,
         989.4 * TFLOPS,
@@ -98,16 +134,18 @@ _SPECS = [
     ),
     Accelerator(
         "H100-PCIe",
+        81559 * MiB,
         80 * GB,
         2.0 * TB,
         756 * TFLOPS,
         _PCIE5,
         None,
         "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet (H100 PCIe column)",
-        "An NVLink bridge (600 GB/s) links pairs of cards; the table keeps the card alone.",
+        note="An NVLink bridge (600 GB/s) links pairs of cards; the table keeps the card alone.",
     ),
     Accelerator(
         "H200",
+        143771 * MiB,
         141 * GB,
         4.8 * TB,
         989.4 * TFLOPS,
@@ -117,6 +155,7 @@ _SPECS = [
     ),
     Accelerator(
         "B200",
+        183359 * MiB,
         180 * GB,
         7.7 * TB,
         2250 * TFLOPS,
@@ -128,7 +167,8 @@ _SPECS = [
 SPECS: dict[str, Accelerator] = {spec.name: spec for spec in _SPECS}
 
 
-def names() -> list[str]:
+def registry() -> list[str]:
+    """Names of the accelerators in the spec table."""
     return list(SPECS)
 
 
@@ -137,15 +177,14 @@ def get(name: str) -> Accelerator:
     for key, spec in SPECS.items():
         if key.lower() == str(name).lower():
             return spec
-    raise KeyError(f"unknown accelerator {name!r}; known: {', '.join(SPECS)}")
+    raise UnknownAcceleratorError(f"unknown accelerator {name!r}; known: {', '.join(SPECS)}")
 
 
 @dataclass(frozen=True)
 class Measurement:
     """Ceilings measured on this machine, usable wherever the roofline takes a spec-sheet `Accelerator`.
 
-    `flops` is the matmul throughput in `flops_dtype`; `bf16_flops` returns the same number under the spec
-    table's name so code written for `Accelerator` runs unchanged (on CPU it is the fp32 figure by default).
+    `flops` is the matmul throughput in `flops_dtype` (on CPU the fp32 figure by default).
     """
 
     name: str
@@ -159,10 +198,6 @@ class Measurement:
     interconnect_bytes_per_s: float | None = None
     source: str = "measured by kvlab.hardware.measure"
     note: str = ""
-
-    @property
-    def bf16_flops(self) -> float:
-        return self.flops
 
     @property
     def ridge_flops_per_byte(self) -> float:

@@ -5,10 +5,9 @@ the larger of the two is the prediction (Williams et al., 2009, "Roofline", CACM
 
 Memory term, decode: every weight byte is read once per step, plus the whole KV cache of every sequence
 (`kvlab.sizing.kv_cache_bytes` at `context_len`, so sliding-window layers count at most window - 1 tokens).
-`context_len` is the length of the cache the step attends over. Two simplifications, both small for the models
-here: the input-embedding table counts in full although a step gathers only `batch_size` rows of it (so the
-term overstates weights by vocab × hidden elements, 2-7 % for the registry models), and activations are not
-counted. MoE: a step reads only the experts its tokens route to; with uniform routing of `k` of `E` experts,
+`context_len` is the length of the cache the step attends over. An untied input-embedding table is a gather:
+a step reads only the rows of its tokens (a tied table doubles as the lm_head and is read whole, once).
+Activations are not counted. MoE: a step reads only the experts its tokens route to; with uniform routing of `k` of `E` experts,
 `t` tokens touch E·(1 - (1 - k/E)^t) experts per layer on average, which is `k` at one token and all `E` at a
 large batch.
 
@@ -50,7 +49,7 @@ from kvlab.sizing import (
     weight_bytes,
 )
 
-Hardware = hardware.Accelerator | hardware.Measurement | str
+Hardware = hardware.Ceilings | str
 Config = PretrainedConfig | str
 
 
@@ -92,6 +91,10 @@ class ModelCost:
     params: int
     matmul_params: int  # params a token multiplies when every expert is active (no input embedding)
     lm_head_params: int
+    input_embedding_params: (
+        int  # an untied input table, of which a step gathers only its tokens' rows (0 if tied)
+    )
+    vocab_size: int
     expert_params: int  # routed experts, all of them (0 for a dense model)
     num_experts: int
     experts_per_token: int
@@ -160,6 +163,8 @@ def _cost_of(text: PretrainedConfig) -> ModelCost:
         # A tied table is one tensor, used as the lm_head; an untied input table is only gathered.
         matmul_params=params if tied else params - embedding,
         lm_head_params=embedding,
+        input_embedding_params=0 if tied else embedding,
+        vocab_size=text.vocab_size,
         expert_params=expert_params,
         num_experts=experts,
         experts_per_token=per_token,
@@ -178,10 +183,10 @@ def active_params(config: Config) -> int:
     return model_cost(config).active_params
 
 
-def _hardware(hw: Hardware) -> hardware.Accelerator | hardware.Measurement:
+def _hardware(hw: Hardware) -> hardware.Ceilings:
     if isinstance(hw, str):
         return hardware.get(hw)
-    if not isinstance(hw, (hardware.Accelerator, hardware.Measurement)):
+    if not isinstance(hw, hardware.Ceilings):
         raise TypeError(f"hw must be a kvlab.hardware entry, its name, or a measure() result; got {hw!r}")
     return hw
 
@@ -194,13 +199,17 @@ def _dtypes(config: Config, dtype: DType, kv_dtype: DType) -> tuple[DType, DType
 
 
 def _weights_read(config: Config, cost: ModelCost, dtype: DType, tokens: float) -> float:
-    """Weight bytes a step over `tokens` tokens reads: all of them, less the experts no token routed to."""
+    """Weight bytes a step over `tokens` tokens reads: all of them, less the experts no token routed to and
+    the rows of an untied input-embedding table that no token gathers (a tied table is the lm_head: read whole)."""
     config = get_config(config) if isinstance(config, str) else config
-    total = weight_bytes(config.get_text_config(decoder=True), dtype)
-    if not cost.num_experts:
-        return float(total)
-    untouched = 1 - cost.experts_touched(tokens) / cost.num_experts
-    return total - cost.expert_params * dtype_bytes(dtype) * untouched
+    total = float(weight_bytes(config.get_text_config(decoder=True), dtype))
+    if cost.input_embedding_params:
+        unread_rows = 1 - min(tokens, cost.vocab_size) / cost.vocab_size
+        total -= cost.input_embedding_params * dtype_bytes(dtype) * unread_rows
+    if cost.num_experts:
+        untouched = 1 - cost.experts_touched(tokens) / cost.num_experts
+        total -= cost.expert_params * dtype_bytes(dtype) * untouched
+    return total
 
 
 def _decode(
