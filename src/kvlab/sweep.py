@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import csv
 import hashlib
+import importlib.util
 import io
 import itertools
 import json
@@ -27,7 +28,7 @@ GLUE_MIME = (
 )
 RESULTS = "results.csv"
 _UNREADABLE = object()  # a repr that is not a literal: a figure, a table
-INSTALL_HINT = "kvlab sweep needs papermill, tqdm and ipykernel: pip install 'kvlab[sweep]'"
+INSTALL_HINT = 'kvlab sweep needs papermill, tqdm and ipykernel: pip install "kvlab[sweep]"'
 
 
 class SweepError(ValueError):
@@ -341,6 +342,8 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     """Run `kvlab sweep`; bad input raises SweepError (exit 2), failed points give exit 1."""
     sweep = build(args.notebook, args.grid, args.fixed, args.out, kernel=args.kernel)
+    if importlib.util.find_spec("ipykernel") is None and args.kernel is None:
+        raise SweepError(INSTALL_HINT)  # otherwise every point would fail on a missing kernel
     if args.x and args.x not in sweep.grid:
         raise SweepError(f"--x {args.x!r} is not a grid axis; the axes are: {', '.join(sweep.grid)}")
     stored = glued_scalars(sweep.notebook)  # labs are committed with outputs: check --plot before running
