@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from kvlab.engine import LLMEngine, mean_kv_utilisation
+from kvlab.engine import LLMEngine
 from kvlab.env import env_report
-from kvlab.metrics import summarize
+from kvlab.metrics import mean_kv_utilisation, summarize
 from kvlab.models import tiny_model
 from kvlab.workloads import TraceRequest, synthetic_trace
 

@@ -3,7 +3,7 @@
 One decode step of `batch` sequences, each with `context` cached tokens, for one layer. Contiguous: K and V
 already laid out as `(batch, kv_heads, context, head_dim)`, one SDPA call. Paged: the same K/V scattered over
 randomly permuted blocks of a pool; the step writes the new token through the slot mapping and gathers each
-sequence's blocks before the same SDPA call (`kvlab.paging.paged_attention_forward`).
+sequence's blocks (one `index_select` into a reused workspace) before the same SDPA call (`kvlab.paging.paged_attention_forward`).
 
     .venv/bin/python benchmarks/bench_paged_attention.py
 """
@@ -39,7 +39,7 @@ def bench(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, bl
         )
     # The step re-writes each sequence's last token (its "new" token) through the slot mapping.
     slots = torch.tensor([slots_for(t, context - 1, context, block_size)[0] for t in tables])
-    ctx = PagedContext(pool, slots, [1] * batch, [context] * batch, tables)
+    ctx = PagedContext.build(pool, slots, [1] * batch, [context] * batch, tables)
     module = SimpleNamespace(layer_idx=0)
     query_flat = q.transpose(0, 2)  # (1, heads, batch, head_dim): one token per sequence, flattened
     new_k, new_v = k[:, :, -1:].transpose(0, 2), v[:, :, -1:].transpose(0, 2)

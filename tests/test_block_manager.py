@@ -3,6 +3,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.block_manager import BlockAllocator, BlockManager, ContiguousBlockManager
+from kvlab.metrics import PrefixCacheStats
 from kvlab.sequence import Sequence
 
 
@@ -122,7 +123,7 @@ def test_freed_cached_blocks_are_reused_then_evicted_lru():
     b = Sequence([1, 2, 3, 4, 6])
     assert bm.allocate(b, 5) == 1  # four tokens came from the cache
     assert b.metrics.num_cached_tokens == 0  # the scheduler records it, not the manager
-    assert (bm.prefix_hit_tokens, bm.prefix_query_tokens, bm.prefix_hit_requests) == (4, 10, 1)
+    assert bm.prefix_cache_stats == PrefixCacheStats(requests=2, queries=10, hits=4, hit_requests=1)
     bm.free(b)
     # New content needs all 4 blocks: the cached ones are evicted, oldest-freed first, and forgotten.
     c = Sequence([9] * 8)
@@ -141,7 +142,7 @@ def test_allocation_is_all_or_nothing():
 
 
 def test_predicted_fragmentation_counts_last_block_waste_and_entries():
-    from kvlab.block_manager import predicted_fragmentation
+    from kvlab.metrics import predicted_fragmentation
 
     frag = predicted_fragmentation([1, 4, 5, 8], block_size=4)
     assert frag.last_block_waste == (3 + 0 + 3 + 0) / 4 and frag.table_entries == (1 + 1 + 2 + 2) / 4

@@ -3,7 +3,10 @@ import logging
 import pytest
 import torch
 
-from kvlab.engine import LLMEngine, mean_kv_utilisation
+from kvlab.config import EngineConfig
+from kvlab.engine import LLMEngine
+from kvlab.metrics import PrefixCacheStats, mean_kv_utilisation
+from kvlab.model_runner import ModelRunner
 from kvlab.models import tiny_model
 from kvlab.sequence import SamplingParams
 from kvlab.workloads import synthetic_trace
@@ -55,8 +58,8 @@ def test_engine_equals_generate(family_model, engine_kwargs):
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.token_ids for o in outputs] == reference(family_model, prompts)
     if engine_kwargs.get("num_blocks") == 12:
-        assert engine.scheduler.num_preemptions > 0
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        assert engine.num_preemptions > 0
+    assert engine.num_free_blocks == engine.num_blocks and engine.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("num_blocks", [64, 16], ids=["roomy", "preempt"])
@@ -70,14 +73,14 @@ def test_prefix_caching_keeps_outputs_and_hits(llama, num_blocks):
         outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
         runs[caching] = engine
         assert [o.token_ids for o in outputs] == expected
-    bm = runs[True].block_manager
-    assert bm.prefix_hit_tokens >= 4 * 20 // 4 * 4  # every request after the first reuses the system prompt
-    assert bm.prefix_hit_requests >= 4 and 0 < bm.prefix_hit_rate < 1 and bm.request_hit_rate >= 0.8
-    assert runs[False].block_manager.prefix_hit_tokens == 0
-    assert bm.num_free_blocks == bm.num_blocks
-    assert bm.prefix_queries == len(prompts), "each request is looked up once, re-admissions are not counted"
+    stats = runs[True].prefix_cache_stats
+    assert stats.hits >= 4 * 20 // 4 * 4  # every request after the first reuses the system prompt
+    assert stats.hit_requests >= 4 and 0 < stats.hit_rate < 1 and stats.request_hit_rate >= 0.8
+    assert runs[False].prefix_cache_stats == PrefixCacheStats()
+    assert runs[True].num_free_blocks == runs[True].num_blocks and runs[True].num_cached_blocks > 0
+    assert stats.requests == len(prompts), "each request is looked up once, re-admissions are not counted"
     if num_blocks == 16:
-        assert runs[True].scheduler.num_preemptions > 0
+        assert runs[True].num_preemptions > 0
 
 
 def test_sliding_window_mistral_equals_generate():
@@ -168,16 +171,15 @@ def test_num_blocks_from_memory_budget_logs_capacity(llama, caplog):
     with caplog.at_level(logging.INFO, logger="kvlab.engine"):
         engine = LLMEngine(llama, block_size=16, memory_budget_bytes=8 * 2**20, max_num_batched_tokens=64)
     weights = sum(p.numel() * p.element_size() for p in llama.parameters())
-    kv = engine.pool.nbytes
+    kv = engine.kv_cache_bytes
     assert 0 < kv < 8 * 2**20 - weights
-    assert "Maximum concurrency" in caplog.text and f"{engine.block_manager.num_blocks} blocks" in caplog.text
+    assert "Maximum concurrency" in caplog.text and f"{engine.num_blocks} blocks" in caplog.text
     with pytest.raises(ValueError, match="no room"):
         LLMEngine(llama, memory_budget_bytes=weights)
 
 
 def test_measured_fragmentation_equals_prediction_and_occupancy(llama):
-    from kvlab.block_manager import predicted_fragmentation
-    from kvlab.engine import mean_batch_occupancy, measured_fragmentation
+    from kvlab.metrics import mean_batch_occupancy, measured_fragmentation, predicted_fragmentation
     from kvlab.workloads import resident_lengths
 
     trace = synthetic_trace(
@@ -191,7 +193,7 @@ def test_measured_fragmentation_equals_prediction_and_occupancy(llama):
         )
         occupancy = mean_batch_occupancy(engine.step_stats)
         assert 0 < occupancy <= 4
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.num_preemptions > 0
     assert mean_batch_occupancy([]) == 0.0
     with pytest.raises(ValueError):
         measured_fragmentation([])
@@ -206,4 +208,52 @@ def test_prefix_hits_equal_prediction_on_a_shared_prefix_trace(llama):
     )  # fmt: skip
     engine = LLMEngine(llama, block_size=4, num_blocks=128, enable_prefix_caching=True, clock="virtual")
     engine.replay(trace)
-    assert engine.block_manager.prefix_hit_tokens == predicted_prefix_hit_tokens(trace, 10, 4) > 0
+    assert engine.prefix_cache_stats.hits == predicted_prefix_hit_tokens(trace, 10, 4) > 0
+
+
+def test_engine_config_equals_keywords(llama):
+    knobs = dict(
+        block_size=4, num_blocks=12, max_num_seqs=3, max_num_batched_tokens=8, scheduling="continuous"
+    )
+    prompts = random_prompts(MIXED)
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    by_keywords = LLMEngine(llama, **knobs, clock="virtual")
+    by_config = LLMEngine(llama, EngineConfig(**knobs), clock="virtual")
+    assert by_keywords.config == by_config.config == EngineConfig(**knobs)
+    outputs = [engine.generate(prompts, params) for engine in (by_keywords, by_config)]
+    assert [o.token_ids for o in outputs[0]] == [o.token_ids for o in outputs[1]]
+    assert by_keywords.step_stats == by_config.step_stats and by_keywords.num_preemptions > 0
+    overridden = LLMEngine(llama, EngineConfig(**knobs), num_blocks=20)
+    assert overridden.num_blocks == 20 and overridden.config.block_size == 4
+    with pytest.raises(TypeError):
+        LLMEngine(llama, num_block=20)  # a misspelt knob is an error, not ignored
+    with pytest.raises(ValueError, match="prefix caching"):
+        EngineConfig(kv_layout="contiguous", enable_prefix_caching=True)
+
+
+def test_model_runner_owns_pool_and_profiles_blocks(llama):
+    runner = ModelRunner(llama, EngineConfig(block_size=8, num_blocks=10))
+    assert runner.pool.num_blocks == 10 and runner.pool.nbytes == 10 * 8 * runner.kv_bytes_per_token
+    weights = sum(p.numel() * p.element_size() for p in llama.parameters())
+    per_block = 8 * runner.kv_bytes_per_token
+    blocks = runner.profile_num_blocks(weights + 100 * per_block, 64)
+    assert 0 < blocks < 100, "the profiled activation takes its share of the budget"
+    engine = LLMEngine(
+        llama, block_size=8, memory_budget_bytes=weights + 100 * per_block, max_num_batched_tokens=64
+    )
+    assert engine.num_blocks == blocks
+
+
+def test_public_accessors_report_blocks_and_preemptions(llama):
+    engine = LLMEngine(llama, block_size=4, num_blocks=12, enable_prefix_caching=True)
+    assert (engine.num_blocks, engine.num_free_blocks, engine.num_used_blocks, engine.num_preemptions) == (
+        12,
+        12,
+        0,
+        0,
+    )
+    assert engine.kv_cache_bytes == engine.pool.nbytes == 12 * 4 * engine.kv_bytes_per_token
+    engine.add_request(random_prompts([9])[0], SamplingParams(max_tokens=2))
+    engine.step()
+    assert engine.num_used_blocks == 3 and engine.num_cached_blocks == 2
+    assert engine.prefix_cache_stats == PrefixCacheStats(requests=1, queries=9, hits=0, hit_requests=0)

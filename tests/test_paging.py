@@ -1,3 +1,4 @@
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -12,9 +13,9 @@ from kvlab.paging import (
     KVPool,
     KVShape,
     PagedContext,
+    enable_paged_attention,
     paged_attention_forward,
     slots_for,
-    use_paged_attention,
 )
 from kvlab.sizing import kv_bytes_per_token
 
@@ -40,7 +41,7 @@ def test_paged_attention_matches_contiguous_sdpa(window):
     pool = KVPool(shape, num_blocks=32, block_size=BLOCK)
     perm = torch.randperm(32, generator=gen).tolist()
     # (tokens already cached, tokens this step) per sequence
-    plan = [(9, 1), (0, 7), (5, 6), (14, 1)]
+    plan = [(9, 1), (0, 7), (5, 6), (14, 1), (3, 1)]
     tables, full_k, full_v = [], [], []
     for cached, new in plan:
         total = cached + new
@@ -57,7 +58,7 @@ def test_paged_attention_matches_contiguous_sdpa(window):
     slot_mapping = torch.tensor(
         [s for (c, n), t in zip(plan, tables, strict=True) for s in slots_for(t, c, c + n, BLOCK)]
     )
-    ctx = PagedContext(pool, slot_mapping, [n for _, n in plan], [c + n for c, n in plan], tables)
+    ctx = PagedContext.build(pool, slot_mapping, [n for _, n in plan], [c + n for c, n in plan], tables)
     step_k = torch.cat([k[:, :, c:] for k, (c, _) in zip(full_k, plan, strict=True)], dim=2)
     step_v = torch.cat([v[:, :, c:] for v, (c, _) in zip(full_v, plan, strict=True)], dim=2)
     out, _ = paged_attention_forward(
@@ -121,11 +122,60 @@ def test_mla_is_rejected():
         KVShape.from_config(tiny_config("deepseek_v2"))
 
 
-def test_use_paged_attention_restores_implementation():
-    model = tiny_model("llama", layers=1, hidden=32, heads=2, vocab=64)
-    before = model.config._attn_implementation
-    with use_paged_attention(model):
-        assert model.config._attn_implementation == ATTN_IMPLEMENTATION
-    assert model.config._attn_implementation == before
-    with pytest.raises(RuntimeError, match="PagedContext"), use_paged_attention(model):
-        model(torch.tensor([[1, 2, 3]]), use_cache=False)
+def test_paged_context_declares_decode_batch_and_prefill_chunks():
+    pool = KVPool(KVShape(1, 1, 2), num_blocks=8, block_size=2)
+    # decode (ctx 3), prefill from scratch (3 tokens), decode (ctx 4), chunk after 2 cached tokens (3 more)
+    ctx = PagedContext.build(
+        pool,
+        torch.zeros(8, dtype=torch.long),
+        [1, 3, 1, 3],
+        [3, 3, 4, 5],
+        [[1, 2], [3, 4], [5, 6], [7, 0, 2]],
+    )
+    assert {f.name for f in dataclasses.fields(ctx)} == {
+        "pool",
+        "slot_mapping",
+        "block_ids",
+        "decode",
+        "prefills",
+    }
+    decode = ctx.decode
+    assert torch.equal(decode.tokens, torch.tensor([0, 4])) and decode.num_seqs == 2 and decode.width == 2
+    assert decode.num_keys == 4 and not decode.uniform and decode.num_blocks == 4
+    assert [(c.start, c.query_len, c.context_len) for c in ctx.prefills] == [(1, 3, 3), (5, 3, 5)]
+    assert ctx.prefills[0].blocks is None, "nothing cached: the chunk attends to the step's own K/V"
+    assert ctx.block_ids.tolist() == [1, 2, 5, 6, 7, 0, 2] and ctx.prefills[1].blocks == slice(4, 7)
+    assert (
+        ctx.decode.mask(None).shape == (2, 1, 1, 4)
+        and ctx.prefills[0].mask(None, torch.device("cpu")) is None
+    )
+    only_decodes = PagedContext.build(pool, torch.zeros(2, dtype=torch.long), [1, 1], [2, 2], [[1], [2]])
+    assert only_decodes.decode.tokens == slice(0, 2) and only_decodes.decode.mask(None) is None
+    assert only_decodes.prefills == []
+
+
+def test_pool_gather_reuses_its_workspace():
+    pool = KVPool(KVShape(1, 1, 2), num_blocks=4, block_size=2)
+    pool.kv.copy_(torch.arange(pool.kv.numel(), dtype=torch.float32).view_as(pool.kv))
+    k, v = pool.gather(0, torch.tensor([3, 1]))
+    assert torch.equal(k, pool.layer(0)[0][[3, 1]]) and torch.equal(v, pool.layer(0)[1][[3, 1]])
+    workspace = pool.workspace.data_ptr()
+    pool.gather(0, torch.tensor([0]))
+    assert pool.workspace.data_ptr() == workspace
+
+
+def test_paged_attention_is_set_once_and_plain_calls_stay_sdpa():
+    """After an engine switched the model, `generate` (padded batch, sliding window) gives what SDPA gives."""
+    model = tiny_model("mistral", window=4, layers=2, hidden=32, heads=2, vocab=64)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7]])
+    mask = (ids != 0).long()
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        before_logits = model(ids, attention_mask=mask).logits
+        before = model.generate(ids, **kwargs)
+    enable_paged_attention(model)
+    enable_paged_attention(model)  # idempotent
+    assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+    with torch.inference_mode():
+        assert torch.allclose(model(ids, attention_mask=mask).logits, before_logits, atol=1e-5)
+        assert torch.equal(model.generate(ids, **kwargs), before)

@@ -17,8 +17,8 @@ import array
 import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
 
+from kvlab.metrics import PrefixCacheStats, blocks_for
 from kvlab.sequence import Sequence
 
 
@@ -32,30 +32,6 @@ def block_hash(parent: int | None, tokens: list[int]) -> int:
     digest.update(b"root" if parent is None else parent.to_bytes(16, "little"))
     digest.update(array.array("q", tokens).tobytes())
     return int.from_bytes(digest.digest()[:16], "little")
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
-@dataclass(frozen=True)
-class Fragmentation:
-    """Per sequence, averaged over (sequence, step) pairs: the two costs a block size trades."""
-
-    last_block_waste: float  # empty token slots in the sequence's last block
-    table_entries: float  # blocks in its block table
-
-
-def predicted_fragmentation(context_lengths: Iterable[int], block_size: int) -> Fragmentation:
-    """Paged allocation's cost for sequences holding these numbers of tokens: `ceil(n / B)` blocks each, and
-    `ceil(n / B) * B - n` empty slots, all in the last block. For lengths spread evenly over a block the waste
-    averages `(B - 1) / 2` tokens whatever the lengths; the table grows as `n / B`."""
-    lengths = list(context_lengths)
-    if not lengths:
-        raise ValueError("need at least one context length")
-    entries = [blocks_for(n, block_size) for n in lengths]
-    waste = sum(b * block_size - n for b, n in zip(entries, lengths, strict=True))
-    return Fragmentation(waste / len(lengths), sum(entries) / len(lengths))
 
 
 class BlockAllocator:
@@ -110,10 +86,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.allocator.on_evict = self._evict
-        self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
-        self.prefix_hit_tokens = 0  # of those, tokens served from cached blocks
-        self.prefix_queries = 0  # admissions that looked up
-        self.prefix_hit_requests = 0  # admissions with at least one cached block
+        self.prefix_cache_stats = PrefixCacheStats()  # lookups so far, one per request
 
     @property
     def num_cached_blocks(self) -> int:
@@ -136,16 +109,6 @@ class BlockManager:
     def capacity_tokens(self) -> int:
         """The longest sequence the pool can hold alone."""
         return self.num_blocks * self.block_size
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        """Share of looked-up prompt tokens served from cached blocks."""
-        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
-
-    @property
-    def request_hit_rate(self) -> float:
-        """Share of admissions that found at least one cached block."""
-        return self.prefix_hit_requests / self.prefix_queries if self.prefix_queries else 0.0
 
     def _evict(self, block_id: int, block_hash: int) -> None:
         if self.cached.get(block_hash) == block_id:
@@ -198,10 +161,7 @@ class BlockManager:
         # Hit statistics count each request once, at its first admission: a request re-admitted after
         # preemption finds its own blocks again, which is recomputation saved, not prefix sharing.
         if self.enable_prefix_caching and seq.metrics.num_preemptions == 0:
-            self.prefix_queries += 1
-            self.prefix_query_tokens += seq.num_tokens
-            self.prefix_hit_tokens += cached
-            self.prefix_hit_requests += cached > 0
+            self.prefix_cache_stats = self.prefix_cache_stats.record(seq.num_tokens, cached)
         self.append_slots(seq, num_new_tokens)
         return num_new_tokens
 

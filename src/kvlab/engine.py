@@ -1,42 +1,57 @@
 """`LLMEngine`: a small vLLM on a transformers model, for measuring paging, batching and prefix caching.
 
-Each `step()` asks the scheduler which sequences run and with how many tokens, flattens those tokens into one
-batch row with their positions and pool slots, runs the model once through the paged attention
-(`kvlab.paging`), samples one token for every sequence whose scheduled tokens reach its end, and retires
-finished requests. Greedy outputs equal `model.generate`'s in fp32 (the tests prove it, with preemption and
-prefix caching too). `step_stats` keeps one row per step (running sequences, blocks in use, batched tokens,
-KV utilisation) for the book's occupancy plots; each output carries its request's latency metrics.
-
-Sizing with `num_blocks=None` follows vLLM's startup: from a memory budget, take away the weights and the peak
-activation of a profiled forward over `max_num_batched_tokens` tokens; the rest holds KV blocks. On CPU the budget
-is a parameter (`memory_budget_bytes`); on a GPU it defaults to the free device memory times 0.9.
+Split the way nano-vllm and vLLM are: an `EngineConfig` (`kvlab.config`) holds the knobs; the `Scheduler` decides
+which sequences run and with how many tokens; the `ModelRunner` (`kvlab.model_runner`) owns the KV pool, runs the
+model through the paged attention (`kvlab.paging`) and samples; `LLMEngine` is the loop between them. Each `step()`
+schedules a batch, runs it, appends the sampled tokens, and retires finished requests. Greedy outputs equal
+`model.generate`'s in fp32 (the tests prove it, with preemption and prefix caching too). `step_stats` keeps one
+`kvlab.metrics.StepStats` row per step (running sequences, blocks in use, batched tokens, KV utilisation) for the
+book's occupancy plots; each output carries its request's latency metrics. Read-only properties report what the
+scheduler and the block manager count (`num_preemptions`, `prefix_cache_stats`, blocks in use and cached).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-import torch
 from transformers import PreTrainedModel
 
-from kvlab.block_manager import BlockManager, ContiguousBlockManager, Fragmentation, blocks_for
+from kvlab.block_manager import BlockManager, ContiguousBlockManager
 from kvlab.clock import Clock, VirtualClock, WallClock
-from kvlab.measure import MemoryTracker
-from kvlab.metrics import RequestMetrics
-from kvlab.paging import KVPool, KVShape, PagedContext, slots_for, use_paged_attention
-from kvlab.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, Scheduling
+from kvlab.config import EngineConfig
+from kvlab.metrics import (
+    PrefixCacheStats,
+    RequestMetrics,
+    StepStats,
+    blocks_for,
+    mean_batch_occupancy,
+    mean_kv_utilisation,
+    measured_fragmentation,
+)
+from kvlab.model_runner import ModelRunner
+from kvlab.paging import KVPool
+from kvlab.scheduler import ScheduledBatch, Scheduler
 from kvlab.sequence import SamplingParams
 from kvlab.sequence import Sequence as Seq
 from kvlab.units import format_bytes
 from kvlab.workloads import TraceRequest
 
-logger = logging.getLogger(__name__)
+# The step statistics moved to kvlab.metrics; importing them from here keeps working.
+__all__ = [
+    "EngineConfig",
+    "LLMEngine",
+    "RequestOutput",
+    "StepStats",
+    "mean_batch_occupancy",
+    "mean_kv_utilisation",
+    "measured_fragmentation",
+]
 
-DEFAULT_CPU_BUDGET = 256 * 2**20  # bytes of "device" memory the engine may use on CPU
-GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of GPU memory
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -49,46 +64,6 @@ class RequestOutput:
     error: str | None = None
 
 
-@dataclass(frozen=True)
-class StepStats:
-    step: int
-    time: float  # clock time at the end of the step
-    num_running: int
-    num_waiting: int  # arrived or not
-    num_batched_tokens: int
-    num_prefill_tokens: int  # tokens of sequences computing more than one token this step
-    num_decode_seqs: int
-    num_preempted: int
-    blocks_used: int
-    used_token_slots: int  # pool slots holding a computed token
-    reserved_token_slots: int  # slots of the blocks in use
-
-    @property
-    def kv_utilisation(self) -> float:
-        """Bytes holding real token states / bytes reserved."""
-        return self.used_token_slots / self.reserved_token_slots if self.reserved_token_slots else 1.0
-
-
-def mean_kv_utilisation(stats: Sequence[StepStats]) -> float:
-    """Utilisation over a run: slots holding tokens / slots reserved, summed over steps."""
-    reserved = sum(s.reserved_token_slots for s in stats)
-    return sum(s.used_token_slots for s in stats) / reserved if reserved else 1.0
-
-
-def measured_fragmentation(stats: Sequence[StepStats]) -> Fragmentation:
-    """Per running sequence and step: empty slots of blocks in use, and blocks in use (no prefix sharing)."""
-    seq_steps = sum(s.num_running for s in stats)
-    if not seq_steps:
-        raise ValueError("no step ran a sequence")
-    waste = sum(s.reserved_token_slots - s.used_token_slots for s in stats)
-    return Fragmentation(waste / seq_steps, sum(s.blocks_used for s in stats) / seq_steps)
-
-
-def mean_batch_occupancy(stats: Sequence[StepStats]) -> float:
-    """Sequences in the running batch after each step, averaged over steps."""
-    return sum(s.num_running for s in stats) / len(stats) if stats else 0.0
-
-
 def _eos_ids(model: PreTrainedModel) -> set[int]:
     eos = getattr(model.generation_config, "eos_token_id", None)
     eos = model.config.get_text_config().eos_token_id if eos is None else eos
@@ -99,67 +74,45 @@ class LLMEngine:
     def __init__(
         self,
         model: PreTrainedModel,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        enable_prefix_caching: bool = False,
-        scheduling: Scheduling = "continuous",
-        max_model_len: int | None = None,
-        memory_budget_bytes: int | None = None,
-        kv_layout: Literal["paged", "contiguous"] = "paged",
+        config: EngineConfig | None = None,
+        *,
         clock: Literal["wall", "virtual"] | Clock = "wall",
-        enable_chunked_prefill: bool = True,
+        **knobs: Any,
     ) -> None:
+        """`LLMEngine(model, block_size=16, num_blocks=..., ...)` with any `EngineConfig` field as a keyword, or
+        `LLMEngine(model, EngineConfig(...))`; keywords given with a config override its fields."""
+        config = EngineConfig(**knobs) if config is None else dataclasses.replace(config, **knobs)
+        self.config = config
         self.model = model
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
-        self.shape = KVShape.from_config(model.config)
-        self.block_size = block_size
-        self.kv_bytes_per_token = KVPool.bytes_per_token(self.shape, self.dtype)
-        if num_blocks is None:
-            num_blocks = self._profile_num_blocks(memory_budget_bytes, max_num_batched_tokens)
+        self.model_runner = ModelRunner(model, config)
+        num_blocks, block_size = self.model_runner.pool.num_blocks, config.block_size
         limit = model.config.get_text_config().max_position_embeddings
+        max_model_len = config.max_model_len
         max_model_len = min(limit, num_blocks * block_size) if max_model_len is None else max_model_len
         if max_model_len > num_blocks * block_size:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the pool ({num_blocks} blocks × {block_size} tokens)"
             )
         self.max_model_len = max_model_len
-        if kv_layout == "contiguous":
-            if enable_prefix_caching:
-                raise ValueError("the contiguous baseline has no prefix caching")
+        if config.kv_layout == "contiguous":
             self.block_manager: BlockManager = ContiguousBlockManager(num_blocks, block_size, max_model_len)
-        elif kv_layout == "paged":
-            self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         else:
-            raise ValueError(f"kv_layout must be 'paged' or 'contiguous', got {kv_layout!r}")
-        self.pool = KVPool(self.shape, num_blocks, block_size, self.dtype, self.device)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-                scheduling=scheduling,
-                enable_chunked_prefill=enable_chunked_prefill,
-            ),
-            self.block_manager,
-        )
+            self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler_config(max_model_len), self.block_manager)
         self.clock: Clock = (
             {"wall": WallClock, "virtual": VirtualClock}[clock]() if isinstance(clock, str) else clock
         )
         self.eos_token_ids = _eos_ids(model)
         self.step_stats: list[StepStats] = []
-        self._generators: dict[int, torch.Generator] = {}
         self._rejected: list[Seq] = []  # reported by the next step()
         logger.info(
             "KV cache: %d blocks × %d tokens = %d tokens (%s, %s per token); layout %s",
             num_blocks,
             block_size,
             num_blocks * block_size,
-            format_bytes(self.pool.nbytes),
+            format_bytes(self.kv_cache_bytes),
             format_bytes(self.kv_bytes_per_token),
-            kv_layout,
+            config.kv_layout,
         )
         logger.info(
             "Maximum concurrency for %d tokens per request: %.2fx",
@@ -167,50 +120,55 @@ class LLMEngine:
             self.max_concurrency(max_model_len),
         )
 
-    # --- sizing -------------------------------------------------------------------------------------------------
+    # --- what the engine holds, read-only -----------------------------------------------------------------------
+
+    @property
+    def pool(self) -> KVPool:
+        return self.model_runner.pool
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model_runner.kv_bytes_per_token
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the preallocated KV pool."""
+        return self.model_runner.pool.nbytes
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.block_manager.num_used_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a published prefix, in use or free but not yet evicted."""
+        return self.block_manager.num_cached_blocks
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions by recompute since the engine started."""
+        return self.scheduler.num_preemptions
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prefix-cache lookups so far, each request counted once (all zero without prefix caching)."""
+        return self.block_manager.prefix_cache_stats
 
     def max_concurrency(self, context_len: int) -> float:
         """How many requests of `context_len` tokens the pool holds at once (vLLM's startup figure)."""
         return self.block_manager.num_blocks / blocks_for(context_len, self.block_size)
-
-    @torch.inference_mode()
-    def _profile_num_blocks(self, budget: int | None, tokens: int) -> int:
-        if budget is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int((free + torch.cuda.memory_allocated(self.device)) * GPU_MEMORY_UTILIZATION)
-            else:
-                budget = DEFAULT_CPU_BUDGET
-        weights = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
-        # A dummy prefill of a full token budget, on a scratch pool made outside the tracker so it is not counted.
-        scratch = KVPool(
-            self.shape, blocks_for(tokens, self.block_size), self.block_size, self.dtype, self.device
-        )
-        table = list(range(scratch.num_blocks))
-        ctx = PagedContext(
-            scratch, torch.tensor(slots_for(table, 0, tokens, self.block_size), device=self.device), [tokens],
-            [tokens], [table],
-        )  # fmt: skip
-        ids = torch.zeros(1, tokens, dtype=torch.long, device=self.device)
-        with MemoryTracker(self.device) as mem, use_paged_attention(self.model):
-            self.model(input_ids=ids, position_ids=torch.arange(tokens, device=self.device)[None],
-                       use_cache=False, paged_context=ctx, logits_to_keep=1)  # fmt: skip
-        per_block = self.block_size * self.kv_bytes_per_token
-        num_blocks = (budget - weights - mem.peak_bytes) // per_block
-        logger.info(
-            "memory budget %s: weights %s, peak activation %s (%d-token forward), KV cache %s",
-            format_bytes(budget),
-            format_bytes(weights),
-            format_bytes(mem.peak_bytes),
-            tokens,
-            format_bytes(max(0, num_blocks) * per_block),
-        )
-        if num_blocks < 1:
-            raise ValueError(
-                f"memory budget {format_bytes(budget)} leaves no room for KV blocks after weights "
-                f"({format_bytes(weights)}) and activations ({format_bytes(mem.peak_bytes)})"
-            )
-        return int(num_blocks)
 
     # --- requests -----------------------------------------------------------------------------------------------
 
@@ -262,10 +220,12 @@ class LLMEngine:
             if upcoming is not None and upcoming > now:
                 self.clock.wait_until(upcoming)
             return finished
-        sampled, logits = self._forward(batch)
+        sampled, tokens = self.model_runner.run(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
         self.clock.step_done(batch.num_batched_tokens, sum(s.num_computed_tokens for s in batch.seqs))
         now = self.clock.now()
-        for seq, token in zip(sampled, self._sample(sampled, logits), strict=True):
+        for seq, token in zip(sampled, tokens, strict=True):
             seq.token_ids.append(token)
             seq.metrics.token_times.append(now)
             if seq.metrics.first_token_time is None:
@@ -278,53 +238,6 @@ class LLMEngine:
         self._record(batch, now)
         return finished
 
-    def _forward(self, batch: ScheduledBatch) -> tuple[list[Seq], torch.Tensor]:
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        tables: list[list[int]] = []
-        context_lens: list[int] = []
-        sample_rows: list[int] = []
-        sampled: list[Seq] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += slots_for(seq.block_table, start, end, self.block_size)
-            tables.append(seq.block_table[: blocks_for(end, self.block_size)])
-            context_lens.append(end)
-            if end == seq.num_tokens:  # the last known token: its logits give the next one
-                sample_rows.append(len(ids) - 1)
-                sampled.append(seq)
-        device = self.device
-        ctx = PagedContext(
-            self.pool, torch.tensor(slots, device=device), list(batch.num_new_tokens), context_lens, tables
-        )
-        with torch.inference_mode(), use_paged_attention(self.model):
-            out = self.model(
-                input_ids=torch.tensor([ids], device=device),
-                position_ids=torch.tensor([positions], device=device),
-                use_cache=False,
-                paged_context=ctx,
-                logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=device),
-            )
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed_tokens += n
-        return sampled, out.logits[0].float()
-
-    def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> list[int]:
-        tokens = logits.argmax(dim=-1).tolist()
-        for i, seq in enumerate(seqs):
-            temperature = seq.params.temperature
-            if temperature > 0:
-                gen = self._generators.get(seq.seq_id)
-                if gen is None:
-                    seed = seq.params.seed if seq.params.seed is not None else seq.seq_id
-                    gen = self._generators[seq.seq_id] = torch.Generator().manual_seed(seed)
-                probs = torch.softmax(logits[i].cpu() / temperature, dim=-1)
-                tokens[i] = int(torch.multinomial(probs, 1, generator=gen))
-        return tokens
-
     def _finish_reason(self, seq: Seq, token: int) -> str | None:
         if not seq.params.ignore_eos and token in self.eos_token_ids:
             return "stop"
@@ -333,7 +246,7 @@ class LLMEngine:
         return None
 
     def _output(self, seq: Seq) -> RequestOutput:
-        self._generators.pop(seq.seq_id, None)
+        self.model_runner.release(seq)
         return RequestOutput(
             seq.request_id,
             seq.prompt_token_ids,

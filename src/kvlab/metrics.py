@@ -7,11 +7,14 @@ that meet every latency target. Times are seconds in; the summary reports millis
 `vllm bench serve` (keys such as `mean_ttft_ms`, `p99_itl_ms`, `request_throughput`, `output_throughput`).
 The functions take any objects with `RequestMetrics`' fields, so a measured engine, a simulator or a roofline model
 can all be summarised the same way.
+
+The engine's per-step statistics (`StepStats`: KV utilisation, batch occupancy, fragmentation) and its prefix-cache
+counters (`PrefixCacheStats`, vLLM's name) live here too, next to the predictions they are checked against.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -118,3 +121,102 @@ def summarize(
     out |= _stats("itl", [gap for r in requests for gap in r.itls], qs)
     out |= _stats("e2el", [r.e2e_latency for r in requests], qs)
     return out
+
+
+# --- engine step statistics, and what the allocator predicts for them ------------------------------------------------
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that `num_tokens` tokens occupy: the ceiling of the division."""
+    return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class Fragmentation:
+    """Per sequence, averaged over (sequence, step) pairs: the two costs a block size trades."""
+
+    last_block_waste: float  # empty token slots in the sequence's last block
+    table_entries: float  # blocks in its block table
+
+
+def predicted_fragmentation(context_lengths: Iterable[int], block_size: int) -> Fragmentation:
+    """Paged allocation's cost for sequences holding these numbers of tokens: `ceil(n / B)` blocks each, and
+    `ceil(n / B) * B - n` empty slots, all in the last block. For lengths spread evenly over a block the waste
+    averages `(B - 1) / 2` tokens whatever the lengths; the table grows as `n / B`."""
+    lengths = list(context_lengths)
+    if not lengths:
+        raise ValueError("need at least one context length")
+    entries = [blocks_for(n, block_size) for n in lengths]
+    waste = sum(b * block_size - n for b, n in zip(entries, lengths, strict=True))
+    return Fragmentation(waste / len(lengths), sum(entries) / len(lengths))
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """The engine's state after one step: the batch it ran and the KV blocks it holds."""
+
+    step: int
+    time: float  # clock time at the end of the step
+    num_running: int
+    num_waiting: int  # arrived or not
+    num_batched_tokens: int
+    num_prefill_tokens: int  # tokens of sequences computing more than one token this step
+    num_decode_seqs: int
+    num_preempted: int
+    blocks_used: int
+    used_token_slots: int  # pool slots holding a computed token
+    reserved_token_slots: int  # slots of the blocks in use
+
+    @property
+    def kv_utilisation(self) -> float:
+        """Bytes holding real token states / bytes reserved."""
+        return self.used_token_slots / self.reserved_token_slots if self.reserved_token_slots else 1.0
+
+
+def mean_kv_utilisation(stats: Sequence[StepStats]) -> float:
+    """Utilisation over a run: slots holding tokens / slots reserved, summed over steps."""
+    reserved = sum(s.reserved_token_slots for s in stats)
+    return sum(s.used_token_slots for s in stats) / reserved if reserved else 1.0
+
+
+def measured_fragmentation(stats: Sequence[StepStats]) -> Fragmentation:
+    """Per running sequence and step: empty slots of blocks in use, and blocks in use (no prefix sharing)."""
+    seq_steps = sum(s.num_running for s in stats)
+    if not seq_steps:
+        raise ValueError("no step ran a sequence")
+    waste = sum(s.reserved_token_slots - s.used_token_slots for s in stats)
+    return Fragmentation(waste / seq_steps, sum(s.blocks_used for s in stats) / seq_steps)
+
+
+def mean_batch_occupancy(stats: Sequence[StepStats]) -> float:
+    """Sequences in the running batch after each step, averaged over steps."""
+    return sum(s.num_running for s in stats) / len(stats) if stats else 0.0
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Prefix-cache lookups since the engine started, each request counted once (vLLM's `PrefixCacheStats`)."""
+
+    requests: int = 0  # requests looked up at their first admission
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens served from cached blocks
+    hit_requests: int = 0  # requests that found at least one cached block
+
+    def record(self, num_tokens: int, num_hits: int) -> PrefixCacheStats:
+        """These counts plus one request's lookup of `num_tokens` prompt tokens, `num_hits` of them cached."""
+        return PrefixCacheStats(
+            self.requests + 1,
+            self.queries + num_tokens,
+            self.hits + num_hits,
+            self.hit_requests + (num_hits > 0),
+        )
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of looked-up prompt tokens served from cached blocks."""
+        return self.hits / self.queries if self.queries else 0.0
+
+    @property
+    def request_hit_rate(self) -> float:
+        """Share of requests that found at least one cached block."""
+        return self.hit_requests / self.requests if self.requests else 0.0

@@ -6,26 +6,33 @@ sequence's cache is a list of block ids (its block table); token `i` of a sequen
 
 How the model runs on it (the design of nano-vllm): all tokens a step schedules, from every sequence, are
 flattened into one batch row and passed with their `position_ids`. `paged_attention_forward` is registered with
-transformers' `AttentionInterface` as ``"kvlab_paged"``; a model whose `config._attn_implementation` names it
-(see `use_paged_attention`) calls it in every attention layer with that layer's fresh Q, K and V (RoPE applied).
-It writes K and V into the layer's pool through the step's slot mapping, then attends each sequence's queries to
-its whole context read back through its block table. The per-step `PagedContext` (slot mapping, block tables,
-context lengths, query offsets) travels as a keyword argument of the model's forward, which transformers passes
-down to the attention function; `module.layer_idx` selects the layer's pool. No causal mask is built by the model:
-transformers skips mask creation for attention implementations it has no mask function for, and the context
-carries the masks instead (causal within the context, plus a sliding window when the layer has one).
+transformers' `AttentionInterface` as ``"kvlab_paged"``, and `enable_paged_attention` switches a model to it once,
+through transformers' public `set_attn_implementation`. Every attention layer then calls it with the layer's fresh
+Q, K and V (RoPE applied). It writes K and V into the layer's pool through the step's slot mapping, then attends
+each sequence's queries to its whole context read back through its block table. The per-step `PagedContext`
+(slot mapping, a `DecodeBatch` of one-token sequences and a list of `PrefillChunk`s) travels as a keyword argument
+of the model's forward, which transformers passes down to the attention function; `module.layer_idx` selects the
+layer's pool. The context carries the masks (causal within the context, plus a sliding window when the layer has
+one), so the mask transformers prepares is never built on that path. A call without a `PagedContext`
+(`model.generate`, a plain forward) runs transformers' own SDPA attention with that mask, so a model stays usable
+while and after an engine runs on it.
+
+What keeps it fast on a CPU: the block indices are built once per step and shared by all layers; each layer reads
+every block it needs with one `index_select` per K and V into a workspace reused across layers and steps (a fresh
+allocation per layer costs more than the copy); and a prefill chunk with nothing cached before it attends to the
+step's own K and V without reading the pool back at all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
-from weakref import WeakKeyDictionary
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvlab.arch import describe
 
@@ -80,6 +87,8 @@ class KVPool:
             dtype=dtype,
             device=device,
         )
+        # Where `gather` copies blocks to: (2, blocks, block_size * kv_heads * head_dim), grown on demand.
+        self.workspace = self.kv.new_empty(2, 0, block_size * shape.kv_heads * shape.head_dim)
 
     @staticmethod
     def bytes_per_token(shape: KVShape, dtype: torch.dtype) -> int:
@@ -87,6 +96,7 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the pool itself (not the gather workspace, which is activation memory)."""
         return self.kv.numel() * self.kv.element_size()
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,84 +109,158 @@ class KVPool:
         k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slots, key.to(k_pool.dtype))
         v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, value.to(v_pool.dtype))
 
-    def gather(self, layer_idx: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of `(seqs, max_blocks)` block tables as `(seqs, kv_heads, max_blocks * block_size, head_dim)`."""
-        k_pool, v_pool = self.layer(layer_idx)
-        seqs = block_tables.shape[0]
+    def gather(self, layer_idx: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of these blocks as `(len(block_ids), block_size, kv_heads, head_dim)` each.
 
-        def read(pool: torch.Tensor) -> torch.Tensor:
-            # index_select on whole blocks is the cheapest gather on CPU (one memcpy per block).
-            rows = pool.view(pool.shape[0], -1).index_select(0, block_tables.reshape(-1))
-            return rows.view(seqs, -1, *pool.shape[2:]).transpose(1, 2)
+        They are views of the workspace, valid until the next gather: one `index_select` per pool (a memcpy per
+        block), into memory that is already mapped, instead of a new allocation in every layer of every step.
+        """
+        n = block_ids.numel()
+        if self.workspace.shape[1] < n:
+            self.workspace = self.kv.new_empty(
+                2, max(n, 2 * self.workspace.shape[1]), self.workspace.shape[2]
+            )
+        out = []
+        for pool, buffer in zip(self.layer(layer_idx), self.workspace, strict=True):
+            rows = torch.index_select(pool.view(pool.shape[0], -1), 0, block_ids, out=buffer[:n])
+            out.append(rows.view(n, *pool.shape[1:]))
+        return out[0], out[1]
 
-        return read(k_pool), read(v_pool)
 
-
-def slots_for(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+def slots_for(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
     """Flat pool slots of token positions `start..end-1` of a sequence with this block table."""
     return [block_table[pos // block_size] * block_size + pos % block_size for pos in range(start, end)]
+
+
+def _causal_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Keys at or before each query, and within the last `window` positions if any (transformers' sliding window)."""
+    mask = key_pos <= query_pos
+    if window is not None:
+        mask &= key_pos > query_pos - window
+    return mask
+
+
+@dataclass
+class DecodeBatch:
+    """The sequences computing one token this step, attended in one padded SDPA call per layer."""
+
+    tokens: torch.Tensor | slice  # where their tokens sit in the step's flat batch (a slice when consecutive)
+    num_blocks: int  # rows of the step's gather index they own: seqs × width, padding pointing at block 0
+    width: int  # blocks per sequence after padding
+    num_keys: int  # the longest context; keys past it are padding in every row
+    context_lens: torch.Tensor  # (seqs,)
+    uniform: bool  # all contexts equally long: no mask needed without a window
+    masks: dict[int | None, torch.Tensor | None] = field(
+        default_factory=dict
+    )  # per window, built on first use
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """(seqs, 1, 1, keys): real keys at or before the query, within the window if any; None when all are."""
+        if window not in self.masks:
+            if self.uniform and (window is None or window >= self.num_keys):
+                self.masks[window] = None  # lets SDPA take its unmasked (fastest) kernel
+            else:
+                key = torch.arange(self.num_keys, device=self.context_lens.device)[None, :]
+                self.masks[window] = _causal_mask((self.context_lens - 1)[:, None], key, window)[
+                    :, None, None
+                ]
+        return self.masks[window]
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence computing several tokens: the last `query_len` tokens of its `context_len`-token context."""
+
+    start: int  # its first token in the step's flat batch
+    query_len: int
+    context_len: int
+    blocks: slice | None  # its rows of the step's gather index; None when nothing is cached before the chunk
+    masks: dict[int | None, torch.Tensor | None] = field(
+        default_factory=dict
+    )  # per window, built on first use
+
+    @property
+    def end(self) -> int:
+        return self.start + self.query_len
+
+    def mask(self, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """(1, 1, queries, keys) causal mask; None for a plain causal chunk (SDPA's `is_causal` does it)."""
+        if window not in self.masks:
+            if self.blocks is None and (window is None or window >= self.context_len):
+                self.masks[window] = None
+            else:
+                query = torch.arange(self.context_len - self.query_len, self.context_len, device=device)[
+                    :, None
+                ]
+                key = torch.arange(self.context_len, device=device)[None, :]
+                self.masks[window] = _causal_mask(query, key, window)[None, None]
+        return self.masks[window]
 
 
 @dataclass
 class PagedContext:
     """What one forward step needs to read and write the pool; built once per step, shared by all layers.
 
-    The step's tokens are flat: sequence `i` owns `query_lens[i]` consecutive tokens, which are the last tokens of
-    its context of `context_lens[i]` tokens (context includes them). Decode sequences (one query token) are batched
-    into one padded attention call; the others (prefill chunks) run one call each.
+    The step's tokens are flat: sequence `i` owns `query_lens[i]` consecutive tokens, the last of its context of
+    `context_lens[i]` tokens (context includes them). One-token sequences form the `decode` batch; the others are
+    `prefills`, attended one call each. `block_ids` lists every block any layer reads this step, decode rows first.
     """
 
     pool: KVPool
     slot_mapping: torch.Tensor  # (tokens,) flat slot of each scheduled token
-    query_lens: list[int]
-    context_lens: list[int]
-    block_tables: list[list[int]]
+    block_ids: torch.Tensor  # (blocks,) what each layer gathers, built once per step
+    decode: DecodeBatch | None
+    prefills: list[PrefillChunk]
 
-    def __post_init__(self) -> None:
-        device = self.slot_mapping.device
+    @classmethod
+    def build(
+        cls,
+        pool: KVPool,
+        slot_mapping: torch.Tensor,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+    ) -> PagedContext:
+        """Group a step's sequences (in flat-batch order) into the decode batch and prefill chunks."""
+        device = slot_mapping.device
         starts = [0]
-        for q in self.query_lens:
+        for q in query_lens:
             starts.append(starts[-1] + q)
-        self.query_starts = starts
-        decode = [i for i, q in enumerate(self.query_lens) if q == 1]
-        self.prefill = [i for i, q in enumerate(self.query_lens) if q != 1]
-        self.decode_tokens = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device)
+        decode = [i for i, q in enumerate(query_lens) if q == 1]
+        block_ids: list[int] = []
+        batch = None
         if decode:
-            width = max(len(self.block_tables[i]) for i in decode)
-            # Padding entries point at block 0; the key mask hides them.
-            tables = [self.block_tables[i] + [0] * (width - len(self.block_tables[i])) for i in decode]
-            self.decode_tables = torch.tensor(tables, dtype=torch.long, device=device)
-            lens = [self.context_lens[i] for i in decode]
-            ctx = torch.tensor(lens, device=device)
-            # Keys past the longest context are padding in every row: cut them; equal lengths need no mask.
-            self.decode_keys = max(lens)
-            self.decode_uniform = min(lens) == self.decode_keys
-            self.decode_key_pos = torch.arange(self.decode_keys, device=device)
-            self.decode_query_pos = (ctx - 1)[:, None]  # (decode seqs, 1)
-        self.prefill_tables = [
-            torch.tensor(self.block_tables[i], dtype=torch.long, device=device) for i in self.prefill
-        ]
-
-    def decode_mask(self, window: int | None) -> torch.Tensor | None:
-        """(decode seqs, 1, 1, keys): real keys at or before the query, within the window if any."""
-        if self.decode_uniform and window is None:
-            return None  # lets SDPA take its unmasked (fastest) kernel
-        key, query = self.decode_key_pos[None, :], self.decode_query_pos
-        mask = key <= query
-        if window is not None:
-            mask &= key > query - window  # transformers' sliding window: the last `window` positions
-        return mask[:, None, None, :]
-
-    def prefill_mask(self, index: int, window: int | None) -> torch.Tensor:
-        """(1, 1, queries, keys) causal mask of one prefill sequence whose queries end its context."""
-        q_len, ctx = self.query_lens[index], self.context_lens[index]
-        device = self.slot_mapping.device
-        query = torch.arange(ctx - q_len, ctx, device=device)[:, None]
-        key = torch.arange(ctx, device=device)[None, :]
-        mask = key <= query
-        if window is not None:
-            mask &= key > query - window
-        return mask[None, None]
+            width = max(len(block_tables[i]) for i in decode)
+            for i in decode:  # padding entries point at block 0; the key mask hides them
+                block_ids += block_tables[i] + [0] * (width - len(block_tables[i]))
+            lens = [context_lens[i] for i in decode]
+            first = starts[decode[0]]
+            consecutive = [starts[i] for i in decode] == list(range(first, first + len(decode)))
+            batch = DecodeBatch(
+                tokens=slice(first, first + len(decode))
+                if consecutive
+                else torch.tensor([starts[i] for i in decode], device=device),
+                num_blocks=len(block_ids),
+                width=width,
+                num_keys=max(lens),
+                context_lens=torch.tensor(lens, device=device),
+                uniform=min(lens) == max(lens),
+            )
+        prefills = []
+        for i, q in enumerate(query_lens):
+            if q == 1:
+                continue
+            rows = None
+            if context_lens[i] > q:  # earlier tokens are only in the pool
+                rows = slice(len(block_ids), len(block_ids) + len(block_tables[i]))
+                block_ids += block_tables[i]
+            prefills.append(PrefillChunk(starts[i], q, context_lens[i], rows))
+        ids = torch.tensor(block_ids, dtype=torch.long, device=device)
+        return cls(pool, slot_mapping, ids, batch, prefills)
 
 
 def paged_attention_forward(
@@ -184,71 +268,102 @@ def paged_attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    attention_mask: Any,
     scaling: float | None = None,
     dropout: float = 0.0,
     paged_context: PagedContext | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
-    **kwargs: object,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention for transformers' `AttentionInterface`: write this step's K/V to the pool, attend through it.
 
     `query` is `(1, heads, tokens, head_dim)`, `key`/`value` `(1, kv_heads, tokens, head_dim)`; returns
-    `(1, tokens, heads, head_dim)` as every transformers attention function does.
+    `(1, tokens, heads, head_dim)` as every transformers attention function does. Without a `PagedContext` it is
+    transformers' SDPA attention, with the mask transformers prepared.
     """
     if paged_context is None:
-        raise RuntimeError("kvlab_paged attention needs a PagedContext: call the model through kvlab.engine")
+        mask = attention_mask.build() if isinstance(attention_mask, DeferredMask) else attention_mask
+        return sdpa_attention_forward(
+            module, query, key, value, mask, dropout=dropout, scaling=scaling, sliding_window=sliding_window,
+            softcap=softcap, **kwargs,
+        )  # fmt: skip
     if softcap is not None:
         raise NotImplementedError("logit soft-capping (Gemma 2) is not supported by the paged attention")
     ctx, layer = paged_context, module.layer_idx
     q = query[0].transpose(0, 1)  # (tokens, heads, head_dim)
     ctx.pool.write(layer, ctx.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    out = torch.empty_like(q)
     gqa = query.shape[1] != key.shape[1]
-    if len(ctx.decode_tokens):
-        k, v = ctx.pool.gather(layer, ctx.decode_tables)
-        k, v = k[:, :, : ctx.decode_keys], v[:, :, : ctx.decode_keys]
-        qd = q[ctx.decode_tokens][:, :, None, :]  # (seqs, heads, 1, head_dim)
+    k_blocks, v_blocks = ctx.pool.gather(layer, ctx.block_ids) if len(ctx.block_ids) else (None, None)
+    decode = ctx.decode
+    if decode is not None and decode.num_seqs == q.shape[0]:
+        out = None  # every token is a decode: the decode output is the whole output
+    else:
+        out = torch.empty_like(q)
+    if decode is not None:
+        assert k_blocks is not None and v_blocks is not None
+        n, keys = decode.num_seqs, decode.num_keys
+
+        def rows(blocks: torch.Tensor) -> torch.Tensor:  # (seqs, kv_heads, keys, head_dim), a view
+            return blocks[: decode.num_blocks].view(n, -1, *blocks.shape[2:])[:, :keys].transpose(1, 2)
+
         o = F.scaled_dot_product_attention(
-            qd, k, v, attn_mask=ctx.decode_mask(sliding_window), scale=scaling, enable_gqa=gqa
-        )
-        out[ctx.decode_tokens] = o[:, :, 0, :].to(out.dtype)
-    for index, table in zip(ctx.prefill, ctx.prefill_tables, strict=True):
-        start, end = ctx.query_starts[index], ctx.query_starts[index + 1]
-        k, v = ctx.pool.gather(layer, table[None])
-        k, v = k[:, :, : ctx.context_lens[index]], v[:, :, : ctx.context_lens[index]]
-        qp = q[start:end].transpose(0, 1)[None]  # (1, heads, queries, head_dim)
+            q[decode.tokens][:, :, None, :], rows(k_blocks), rows(v_blocks), attn_mask=decode.mask(sliding_window),
+            scale=scaling, enable_gqa=gqa,
+        )[:, :, 0, :]  # fmt: skip
+        if out is None:
+            return o.to(query.dtype)[None], None
+        out[decode.tokens] = o.to(out.dtype)
+    assert out is not None
+    for chunk in ctx.prefills:
+        if chunk.blocks is None:  # nothing cached before it: its K/V are this step's
+            k, v = key[:, :, chunk.start : chunk.end], value[:, :, chunk.start : chunk.end]
+        else:
+            assert k_blocks is not None and v_blocks is not None
+            k, v = (
+                b[chunk.blocks].flatten(0, 1)[: chunk.context_len].transpose(0, 1)[None]
+                for b in (k_blocks, v_blocks)
+            )
+        mask = chunk.mask(sliding_window, q.device)
         o = F.scaled_dot_product_attention(
-            qp, k, v, attn_mask=ctx.prefill_mask(index, sliding_window), scale=scaling, enable_gqa=gqa
-        )
-        out[start:end] = o[0].transpose(0, 1).to(out.dtype)
+            q[chunk.start : chunk.end].transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=mask is None,
+            scale=scaling, enable_gqa=gqa,
+        )  # fmt: skip
+        out[chunk.start : chunk.end] = o[0].transpose(0, 1).to(out.dtype)
     return out[None], None
 
 
+class DeferredMask:
+    """The arguments of transformers' SDPA mask, built only if a layer runs without a `PagedContext`.
+
+    Registered as the ``"kvlab_paged"`` mask function, so a plain call (`model.generate`) gets the mask SDPA would,
+    while an engine step, whose masks the `PagedContext` carries, never pays for one over its flat batch.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+        self.mask: torch.Tensor | None = None
+        self.built = False
+
+    def build(self) -> torch.Tensor | None:
+        if not self.built:  # once per forward, not once per layer
+            self.mask, self.built = sdpa_mask(**self.kwargs), True
+        return self.mask
+
+
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, DeferredMask)
 
 
-_CONFIGS: WeakKeyDictionary[PreTrainedModel, list[PretrainedConfig]] = WeakKeyDictionary()
+def enable_paged_attention(model: PreTrainedModel) -> None:
+    """Switch the model's attention to `paged_attention_forward`, once, with transformers' public switch.
 
-
-def _attention_configs(model: PreTrainedModel) -> list[PretrainedConfig]:
-    """Every distinct config object among the model's modules, found once per model (this runs every step)."""
-    if model not in _CONFIGS:
-        found = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
-        _CONFIGS[model] = list(found.values())
-    return _CONFIGS[model]
-
-
-@contextmanager
-def use_paged_attention(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
-    """Route the model's attention layers to `paged_attention_forward` inside the block, then restore."""
-    configs = _attention_configs(model)
-    saved = [c._attn_implementation for c in configs]
-    for c in configs:
-        c._attn_implementation = ATTN_IMPLEMENTATION
-    try:
-        yield model
-    finally:
-        for c, impl in zip(configs, saved, strict=True):
-            c._attn_implementation = impl
+    Idempotent; calls without a `PagedContext` keep transformers' SDPA behaviour, so nothing needs restoring.
+    """
+    # transformers 5.24 has no public getter for the current implementation; the config attribute is what it reads.
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise ValueError(
+            f"{type(model).__name__} cannot switch its attention implementation (see the warning above)"
+        )
