@@ -28,6 +28,22 @@ def test_size_report(capsys):
     assert "64 KiB (65,536 B, fp8)" in out
     assert "2 GiB at 32k tokens" in out and "32 GiB for 16 sequences" in out
     assert "fits" in out and "room for" in out
+    for term in (
+        "capacity",
+        "engine cap",
+        "CUDA context",
+        "weights",
+        "activations",
+        "block rounding",
+        "KV pool",
+    ):
+        assert term in out
+
+
+def test_budget_lines_for_the_issue_example():
+    text = cli.size_report("meta-llama/Llama-3.1-8B", 8192, 1, gpu="H100-SXM")
+    assert "79.6 GiB" in text  # 81,559 MiB as the driver reports, not 80e9 B
+    assert "sequences that fit" in text and "(512 blocks each)" in text
 
 
 def test_does_not_fit():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvlab import arch, hardware, sizing, sweep
+from kvlab import arch, budget, hardware, sizing, sweep
 from kvlab.units import format_bytes, format_tokens, parse_tokens
 
 
@@ -19,11 +19,21 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
 def _gpu(text: str) -> str:
     try:
         return hardware.get(text).name
-    except KeyError as err:
-        raise argparse.ArgumentTypeError(str(err.args[0])) from None
+    except hardware.UnknownAcceleratorError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _tokens(text: str) -> int:
@@ -40,14 +50,18 @@ def size_report(
     kv_dtype: str = "bf16",
     weight_dtype: str = "bf16",
     gpu: str | None = None,
+    gpu_memory_utilization: float = budget.GPU_MEMORY_UTILIZATION,
+    block_size: int = budget.BLOCK_SIZE,
+    max_num_batched_tokens: int = budget.MAX_NUM_BATCHED_TOKENS,
 ) -> str:
-    """The text `kvlab size` prints."""
-    config = arch.get_config(model)
+    """The text `kvlab size` prints; with `gpu`, the memory budget line by line (`kvlab.budget`)."""
+    config = arch.get(model)
     spec = arch.describe(config)
     per_token = sizing.kv_bytes_per_token(config, kv_dtype)
     per_seq = sizing.kv_cache_bytes(config, context, 1, kv_dtype)
     total = per_seq * batch
-    weights = sizing.weight_bytes(config, int(weight_dtype) if weight_dtype.isdigit() else weight_dtype)
+    weight_precision: str | int = int(weight_dtype) if weight_dtype.isdigit() else weight_dtype
+    weights = sizing.weight_bytes(config, weight_precision)
     kinds = ", ".join(f"{n} {k}" for k, n in spec.kinds.items())
     lines = [
         f"model        {model} ({spec.attention_type}, {spec.num_layers} layers: {kinds}; "
@@ -59,15 +73,19 @@ def size_report(
         f"weights + KV {format_bytes(weights + total)}",
     ]
     if gpu is not None:
-        hw = hardware.get(gpu)
-        free = hw.memory_bytes - weights
-        fits = free >= total
-        max_seqs = max(free, 0) // per_seq
-        lines.append(
-            f"on {hw.name}    {format_bytes(hw.memory_bytes)}: {'fits' if fits else 'does NOT fit'}; "
-            f"room for {max_seqs} sequences of {format_tokens(context)} tokens beside the weights "
-            "(before runtime, activations and allocator reserve)"
+        plan = budget.memory_budget(
+            config,
+            gpu,
+            kv_dtype=kv_dtype,
+            weight_dtype=weight_precision,
+            gpu_memory_utilization=gpu_memory_utilization,
+            block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
         )
+        seqs = plan.max_sequences(context) if plan.fits else 0
+        verdict = "fits" if seqs >= batch else "does NOT fit"
+        lines += [f"on {hardware.get(gpu).name}: the memory budget", *plan.lines(context)]
+        lines.append(f"  {batch} sequences of {format_tokens(context)} tokens: {verdict} (room for {seqs})")
     return "\n".join(lines)
 
 
@@ -88,6 +106,21 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument(
         "--gpu", type=_gpu, help=f"check the plan against this GPU: {', '.join(hardware.registry())}"
     )
+    size.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        default=budget.GPU_MEMORY_UTILIZATION,
+        help="share of the GPU the engine may use (vLLM's default: 0.9)",
+    )
+    size.add_argument(
+        "--block-size", type=_positive_int, default=budget.BLOCK_SIZE, help="tokens per KV block"
+    )
+    size.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        default=budget.MAX_NUM_BATCHED_TOKENS,
+        help="largest token batch of a step (sizes the activation workspace)",
+    )
     sub.add_parser("models", help="list the offline registry")
     sweep.add_arguments(sub.add_parser("sweep", help="run a lab over a parameter grid; glued scalars to CSV"))
     args = parser.parse_args(argv)
@@ -98,7 +131,17 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(arch.registry()))
         else:
             print(
-                size_report(args.model, args.context, args.batch, args.kv_dtype, args.weight_dtype, args.gpu)
+                size_report(
+                    args.model,
+                    args.context,
+                    args.batch,
+                    args.kv_dtype,
+                    args.weight_dtype,
+                    args.gpu,
+                    args.gpu_memory_utilization,
+                    args.block_size,
+                    args.max_num_batched_tokens,
+                )
             )
     except (arch.UnknownModelError, arch.UnsupportedConfigError, ValueError) as err:
         print(f"kvlab: error: {err}", file=sys.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+KiB, MiB, GiB = 2**10, 2**20, 2**30
 _TOKEN_SCALE = {"k": 1024, "m": 1024 * 1024}
 
 
