@@ -157,6 +157,7 @@ def test_interrupt_loses_no_finished_point_and_failures_run_again(tmp_path, monk
 
     first = sweep.run_sweep(plan, progress=False)
     assert (first.ran, first.skipped, first.failed) == (2, 1, 1)
+    assert [r["status"] for r in read_csv(tmp_path / "results.csv")] == ["ok", "ok", "failed"]
     second = sweep.run_sweep(plan, progress=False)  # the failed point is retried, the finished ones are not
     assert (second.ran, second.skipped, second.failed) == (1, 2, 0)
     assert calls == [1, 2, 2, 3, 3]

@@ -231,13 +231,10 @@ def run_sweep(sweep: Sweep, *, progress: bool = True) -> Outcome:
     records: list[dict[str, Any] | None] = []
     for point in points:
         old = load_record(sweep.runs / f"{point_name(point)}.json")
-        same = (
-            old is not None
-            and old.get("status") == "ok"
-            and old.get("parameters") == _jsonable({**sweep.fixed, **point})
-        )
-        records.append(old if same else None)  # a failed point, or one run with other -p values, runs again
-    todo = [i for i, record in enumerate(records) if record is None]
+        same = old is not None and old.get("parameters") == _jsonable({**sweep.fixed, **point})
+        records.append(old if same else None)  # a record of other -p values is not this point's
+    # Failed points run again (their old record stays in the CSV until then); finished ones never do.
+    todo = [i for i, record in enumerate(records) if record is None or record.get("status") != "ok"]
     ran = failed = 0
     bar = tqdm(total=len(points), initial=len(points) - len(todo), unit="point", disable=not progress)
     try:
