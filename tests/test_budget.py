@@ -100,3 +100,13 @@ def test_activation_estimate_matches_a_measured_forward(family, tokens):
         model(input_ids=ids, use_cache=False, logits_to_keep=1)
     estimate = budget.activation_workspace_bytes(model.config, tokens, 1, "fp32")
     assert estimate == pytest.approx(mem.peak_bytes, rel=0.02)
+
+
+def test_cuda_context_needs_cuda():
+    from kvlab.measure import cuda_context_bytes
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            cuda_context_bytes("cpu")
+    else:  # pragma: no cover - GPU machines
+        assert 0 < cuda_context_bytes("cuda") < 4 * GiB

@@ -16,11 +16,23 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from kvlab.env import pick_device
+
+# The CPU memory tracker relies on three torch internals; another torch version may move them. Import them
+# guarded, so that only the CPU tracker fails, with a message that says why.
+try:
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+except ImportError as _err:  # pragma: no cover - depends on the torch version
+    _TRACKER_ERROR: str | None = (
+        f"kvlab.measure.MemoryTracker on CPU needs torch internals this torch {torch.__version__} lacks ({_err}); "
+        "use torch 2.4 or newer, or measure on CUDA"
+    )
+    TorchDispatchMode = object  # type: ignore[misc,assignment]
+else:
+    _TRACKER_ERROR = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +146,8 @@ class MemoryTracker:
             self._start = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
+            if _TRACKER_ERROR:
+                raise RuntimeError(_TRACKER_ERROR)
             self._mode = _TensorAccounting()
             self._mode.__enter__()
         return self
@@ -147,6 +161,19 @@ class MemoryTracker:
             self._mode.__exit__(*exc)
             self._mode._sweep()
             self.peak_bytes, self.retained_bytes = self._mode.peak, self._mode.current
+
+
+def cuda_context_bytes(device: str | torch.device | None = None) -> int:
+    """Device memory this process holds outside PyTorch's caching allocator: CUDA context, cuBLAS and other
+    library workspaces. Measured as (total - free) - reserved, which assumes no other process uses the GPU
+    (the way vLLM measures its "non-torch" memory). Raises on a machine without CUDA."""
+    device = pick_device(device)
+    if device.type != "cuda":
+        raise ValueError(f"the CUDA context can only be measured on a CUDA device, not {device}")
+    torch.cuda.init()
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total - free - torch.cuda.memory_reserved(device))
 
 
 def synchronize(device: str | torch.device | None = None) -> None:
