@@ -1,7 +1,12 @@
-import pytest
-from transformers import PretrainedConfig
+import json
+import time
+from pathlib import Path
 
-from kvlab import arch, models
+import pytest
+from transformers import AutoConfig, PretrainedConfig
+
+from kvlab import arch, models, sizing
+from kvlab.layers import SlidingWindowAttention
 
 
 def test_registry_has_required_models():
@@ -16,19 +21,97 @@ def test_registry_has_required_models():
     assert required <= set(arch.registry())
 
 
+CONFIGS = Path(arch.__file__).with_name("configs")
+INDEX = json.loads((CONFIGS / "index.json").read_text())["models"]
+
+# What the chapters read off each published config: layers, query heads, KV heads (1 for MLA's shared latent),
+# head dim (MLA: nope + rope), hidden size, vocab, the config's dtype, and the layer kinds with their windows.
+FULL, MLA = "full", "mla"
+EXPECTED = {
+    "meta-llama/Llama-2-7b-hf": (32, 32, 32, 128, 4096, 32000, "float16", {FULL: 32}),
+    "meta-llama/Llama-2-13b-hf": (40, 40, 40, 128, 5120, 32000, "float16", {FULL: 40}),
+    "meta-llama/Llama-2-70b-hf": (80, 64, 8, 128, 8192, 32000, "float16", {FULL: 80}),
+    "meta-llama/Llama-3.1-8B": (32, 32, 8, 128, 4096, 128256, "bfloat16", {FULL: 32}),
+    "meta-llama/Llama-3.1-70B": (80, 64, 8, 128, 8192, 128256, "bfloat16", {FULL: 80}),
+    "meta-llama/Llama-3.1-405B": (126, 128, 8, 128, 16384, 128256, "bfloat16", {FULL: 126}),
+    "mistralai/Mistral-7B-v0.1": (32, 32, 8, 128, 4096, 32000, "bfloat16", {4096: 32}),
+    "mistralai/Mixtral-8x7B-v0.1": (32, 32, 8, 128, 4096, 32000, "bfloat16", {FULL: 32}),
+    "Qwen/Qwen2.5-0.5B": (24, 14, 2, 64, 896, 151936, "bfloat16", {FULL: 24}),
+    "Qwen/Qwen2.5-7B": (28, 28, 4, 128, 3584, 152064, "bfloat16", {FULL: 28}),
+    "Qwen/Qwen2.5-72B": (80, 64, 8, 128, 8192, 152064, "bfloat16", {FULL: 80}),
+    "Qwen/Qwen3-8B": (36, 32, 8, 128, 4096, 151936, "bfloat16", {FULL: 36}),
+    "google/gemma-2-9b": (42, 16, 8, 256, 3584, 256000, "bfloat16", {4096: 21, FULL: 21}),
+    "google/gemma-3-27b-it": (62, 32, 16, 128, 5376, 262208, "bfloat16", {1024: 52, FULL: 10}),
+    "tiiuae/falcon-7b": (32, 71, 1, 64, 4544, 65024, "bfloat16", {FULL: 32}),
+    "facebook/opt-13b": (40, 40, 40, 128, 5120, 50272, "float16", {FULL: 40}),
+    "openai-community/gpt2": (12, 12, 12, 64, 768, 50257, "float32", {FULL: 12}),
+    "microsoft/Phi-3-mini-4k-instruct": (32, 32, 32, 96, 3072, 32064, "bfloat16", {2047: 32}),
+    "deepseek-ai/DeepSeek-V2-Lite": (27, 16, 1, 192, 2048, 102400, "bfloat16", {MLA: 27}),
+    "deepseek-ai/DeepSeek-V3": (61, 128, 1, 192, 7168, 129280, "bfloat16", {MLA: 61}),
+    "TinyLlama/TinyLlama-1.1B-Chat-v1.0": (22, 32, 4, 64, 2048, 32000, "bfloat16", {FULL: 22}),
+}
+MLA_RANKS = {"deepseek-ai/DeepSeek-V2-Lite": (None, 512, 64), "deepseek-ai/DeepSeek-V3": (1536, 512, 64)}
+STATUSES = {"verbatim", "content-verified", "reconstructed, not verified verbatim"}
+
+
+def test_every_stored_config_is_indexed_and_every_entry_stored():
+    stored = {p.name for p in CONFIGS.glob("*.json")} - {"index.json"}
+    assert stored == {arch.config_path(name).name for name in INDEX}
+    assert list(INDEX) == arch.registry() and set(EXPECTED) == set(INDEX)
+
+
 @pytest.mark.parametrize("name", arch.registry())
-def test_get_config_returns_fresh_config(name):
-    a, b = arch.get_config(name), arch.get_config(name)
-    assert isinstance(a, PretrainedConfig) and a is not b
-    assert arch.source(name).startswith("https://huggingface.co/")
+def test_index_cites_config_paper_and_where_the_copy_was_checked(name):
+    entry = INDEX[name]
+    assert arch.source(name) == entry["config"] == f"https://huggingface.co/{name}/blob/main/config.json"
+    assert entry["paper"] and entry["note"] and entry["status"] in STATUSES
+    if entry["status"] != "reconstructed, not verified verbatim":
+        assert set(entry["found"]) == {"repo", "path", "commit"} and len(entry["found"]["commit"]) == 40
 
 
-def test_registry_entries_cite_their_source():
-    text = open(arch.__file__).read()
-    body = text[text.index("_REGISTRY") : text.index("def registry")]
-    entries = body.count('": (')
-    assert entries == len(arch.registry())
-    assert body.count("# ") >= len({arch.get_config(n).model_type for n in arch.registry()})
+@pytest.mark.parametrize("name", arch.registry())
+def test_stored_config_is_json_with_the_indexed_model_type(name):
+    published = json.loads(arch.config_path(name).read_text())
+    assert published["model_type"] == INDEX[name]["model_type"] == arch.get(name).model_type
+    assert published.get("architectures")
+
+
+@pytest.mark.parametrize("name", arch.registry())
+def test_stored_config_has_the_fields_the_chapters_rely_on(name):
+    layers, heads, kv_heads, head_dim, hidden, vocab, dtype, kinds = EXPECTED[name]
+    config = arch.get(name)
+    spec = arch.describe(config)
+    assert (spec.num_layers, spec.num_attention_heads, spec.kv_heads, spec.head_dim, spec.hidden_size) == (
+        layers, heads, kv_heads, head_dim, hidden
+    )  # fmt: skip
+    assert config.get_text_config(decoder=True).vocab_size == vocab
+    assert str(sizing.config_dtype(config)).removeprefix("torch.") == dtype
+    got: dict[int | str, int] = {}
+    for layer in spec.layers:
+        key = layer.window if isinstance(layer, SlidingWindowAttention) else layer.kind
+        got[key] = got.get(key, 0) + 1
+    assert got == kinds
+    if name in MLA_RANKS:
+        published = json.loads(arch.config_path(name).read_text())
+        ranks = (published["q_lora_rank"], published["kv_lora_rank"], published["qk_rope_head_dim"])
+        assert ranks == MLA_RANKS[name]
+
+
+@pytest.mark.parametrize("name", arch.registry())
+def test_get_returns_a_fresh_copy_of_the_published_file(name):
+    a, b = arch.get(name), arch.get(name)
+    assert isinstance(a, PretrainedConfig) and a is not b and a.name_or_path == name
+    a.get_text_config(decoder=True).num_hidden_layers = -1  # editing a copy leaves the registry alone
+    assert arch.get(name).get_text_config(decoder=True).num_hidden_layers == EXPECTED[name][0]
+    # The same path as any local file or Hub id: AutoConfig.from_pretrained on the stored config.json.
+    direct = AutoConfig.from_pretrained(arch.config_path(name), **INDEX[name].get("defaults", {}))
+    assert direct.to_diff_dict() | {"_name_or_path": name} == b.to_diff_dict() | {"_name_or_path": name}
+
+
+def test_resolve_takes_a_config_or_a_name():
+    config = models.tiny_config("llama")
+    assert arch.resolve(config) is config
+    assert arch.resolve("Qwen/Qwen3-8B").model_type == "qwen3"
 
 
 @pytest.mark.parametrize(
@@ -74,12 +157,20 @@ def test_window_of_one_is_rejected():
 
 def test_unknown_model_offline_names_it_and_lists_registry(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.perf_counter()
     with pytest.raises(arch.UnknownModelError) as err:
-        arch.get_config("no-such-org/no-such-model")
+        arch.get("no-such-org/no-such-model")
+    assert time.perf_counter() - start < 5  # huggingface_hub's offline mode: no connection attempt
     message = str(err.value)
-    assert "no-such-org/no-such-model" in message and "meta-llama/Llama-3.1-8B" in message
+    assert (
+        "no-such-org/no-such-model" in message
+        and "meta-llama/Llama-3.1-8B" in message
+        and "\n" not in message
+    )
+    with pytest.raises(arch.UnknownModelError, match="not in the kvlab registry"):
+        arch.source("no-such-org/no-such-model")
 
 
 def test_local_directory_falls_back_to_autoconfig(tmp_path):
     models.tiny_config("qwen2", hidden=32, heads=2).save_pretrained(tmp_path)
-    assert arch.get_config(str(tmp_path)).model_type == "qwen2"
+    assert arch.get(str(tmp_path)).model_type == "qwen2"

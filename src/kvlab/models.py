@@ -173,9 +173,9 @@ def scaled_down(
     MHA/GQA/MQA/MLA stays what it is (GQA keeps 4 query heads per KV head, or the model's own ratio if smaller),
     sliding layers keep their place in the pattern with a `window`-token window, MLA keeps a latent.
     """
-    from kvlab.arch import describe, get_config
+    from kvlab.arch import describe, get
 
-    config = get_config(name)
+    config = get(name)
     text = config.get_text_config(decoder=True)
     spec = describe(config)
     family = "gemma3_text" if text.model_type == "gemma3_text" else text.model_type

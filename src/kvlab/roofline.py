@@ -38,7 +38,7 @@ from typing import Literal
 from transformers import PretrainedConfig
 
 from kvlab import hardware
-from kvlab.arch import ArchSpec, describe, get_config
+from kvlab.arch import ArchSpec, describe, resolve
 from kvlab.sizing import (
     DType,
     check_count,
@@ -173,7 +173,7 @@ def _cost_of(text: PretrainedConfig) -> ModelCost:
 
 def model_cost(config: Config) -> ModelCost:
     """Params, active params and attention shape of `config` (a config or a registry name), cached."""
-    config = get_config(config) if isinstance(config, str) else config
+    config = resolve(config)
     text = config.get_text_config(decoder=True)  # image-text models: decoding runs the text decoder only
     return _cost(text.to_json_string(use_diff=False), text.model_type)
 
@@ -192,7 +192,7 @@ def _hardware(hw: Hardware) -> hardware.Ceilings:
 
 
 def _dtypes(config: Config, dtype: DType, kv_dtype: DType) -> tuple[DType, DType]:
-    config = get_config(config) if isinstance(config, str) else config
+    config = resolve(config)
     dtype = config_dtype(config) if dtype is None else dtype
     dtype_bytes(dtype)  # fail early on an unknown name
     return dtype, dtype if kv_dtype is None else kv_dtype
@@ -201,7 +201,7 @@ def _dtypes(config: Config, dtype: DType, kv_dtype: DType) -> tuple[DType, DType
 def _weights_read(config: Config, cost: ModelCost, dtype: DType, tokens: float) -> float:
     """Weight bytes a step over `tokens` tokens reads: all of them, less the experts no token routed to and
     the rows of an untied input-embedding table that no token gathers (a tied table is the lm_head: read whole)."""
-    config = get_config(config) if isinstance(config, str) else config
+    config = resolve(config)
     total = float(weight_bytes(config.get_text_config(decoder=True), dtype))
     if cost.input_embedding_params:
         unread_rows = 1 - min(tokens, cost.vocab_size) / cost.vocab_size

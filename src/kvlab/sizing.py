@@ -16,7 +16,7 @@ from functools import lru_cache
 import torch
 from transformers import PretrainedConfig
 
-from kvlab.arch import ArchSpec, describe, get_config
+from kvlab.arch import ArchSpec, describe, resolve
 from kvlab.units import dtype_bytes
 
 DType = torch.dtype | str | None
@@ -29,7 +29,7 @@ def config_dtype(config: PretrainedConfig) -> DType:
 
 
 def _spec_and_bytes(config: PretrainedConfig | str, dtype: DType) -> tuple[ArchSpec, int]:
-    config = get_config(config) if isinstance(config, str) else config
+    config = resolve(config)
     return describe(config), dtype_bytes(config_dtype(config) if dtype is None else dtype)
 
 
@@ -102,7 +102,7 @@ def _param_count(config_json: str, model_type: str) -> int:
 
 def param_count(config: PretrainedConfig | str) -> int:
     """Parameters of the model a config describes, counted on the `meta` device (nothing is allocated)."""
-    config = get_config(config) if isinstance(config, str) else config
+    config = resolve(config)
     return _param_count(config.to_json_string(use_diff=False), config.model_type)
 
 
@@ -116,7 +116,7 @@ def weight_bytes(config: PretrainedConfig | str, dtype_or_bits: DType | int = No
         if dtype_or_bits not in (1, 2, 3, 4, 5, 6, 8, 16, 32):
             raise ValueError(f"weight bits must be one of 1-6, 8, 16 or 32, got {dtype_or_bits}")
         return math.ceil(params * dtype_or_bits / 8)
-    config = get_config(config) if isinstance(config, str) else config
+    config = resolve(config)
     return params * dtype_bytes(config_dtype(config) if dtype_or_bits is None else dtype_or_bits)
 
 
@@ -165,7 +165,7 @@ class ModelSize:
 def model_size(
     config: PretrainedConfig | str, kv_dtype: DType = "bf16", weight_dtype: DType | int = "bf16"
 ) -> ModelSize:
-    config = get_config(config) if isinstance(config, str) else config
+    config = resolve(config)
     spec = describe(config)
     text = config.get_text_config(decoder=True)
     return ModelSize(
