@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvlab.arch import get_config
+from kvlab import arch
 from kvlab.engine import LLMEngine
 from kvlab.models import tiny_config, tiny_model
 from kvlab.paging import (
@@ -103,7 +103,7 @@ def test_pool_bytes_per_token_equals_sizing(family):
     "name", ["meta-llama/Llama-3.1-8B", "Qwen/Qwen2.5-7B", "mistralai/Mixtral-8x7B-v0.1"]
 )
 def test_pool_bytes_per_token_equals_sizing_for_published_models(name):
-    config = get_config(name)
+    config = arch.get(name)
     assert KVPool.bytes_per_token(KVShape.from_config(config), torch.bfloat16) == kv_bytes_per_token(
         config, "bf16"
     )
