@@ -58,3 +58,46 @@ def test_repository_url_in_one_place():
     url = repo_url.configured_url()
     for lab in LABS:
         assert repo_url.notebook_urls(lab) <= {url}, lab
+
+
+PAGES = sorted(p for p in (ROOT / "book").rglob("*.md") if not any(part.startswith(".") for part in p.parts))
+
+
+def test_there_are_pages():
+    assert len(PAGES) >= 2
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_line_starts_a_myst_comment(page):
+    """MyST reads a line that begins with `%` as a comment and drops it from the page, silently."""
+    fence = None
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        stripped = line.lstrip()
+        marker = re.match(r"(`{3,}|~{3,})", stripped)
+        if marker and (fence is None or marker.group(1).startswith(fence)):
+            fence = None if fence else marker.group(1)[:3]
+            continue
+        assert fence is not None or not stripped.startswith("%"), (
+            f"{page.relative_to(ROOT)}:{number} begins with % and MyST drops it as a comment: {line!r}"
+        )
+
+
+@pytest.mark.parametrize(
+    ("value", "decimals", "lower", "upper"),
+    [
+        (14.7, 0, "14", "15"),
+        (14.7, 1, "14.7", "14.7"),
+        (0.29, 2, "0.29", "0.29"),
+        (4.0, 0, "4", "4"),
+        (6401.3, 0, "6,401", "6,402"),
+        (1.2345, 2, "1.23", "1.24"),
+        (-1.5, 0, "-2", "-1"),
+    ],
+)
+def test_bounds_are_never_rounded_the_wrong_way(value, decimals, lower, upper):
+    """Prose says "at least" with `format_floor` and "at most" with `format_ceil` (kvlab.units)."""
+    from kvlab.units import format_ceil, format_floor
+
+    assert format_floor(value, decimals) == lower
+    assert format_ceil(value, decimals) == upper
+    assert float(lower.replace(",", "")) <= value <= float(upper.replace(",", ""))

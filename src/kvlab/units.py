@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
+
 import torch
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -42,6 +44,22 @@ def format_tokens(n: int) -> str:
     if n >= 1024 and n % 1024 == 0:
         return f"{n // 1024}k"
     return str(n)
+
+
+def format_floor(x: float, decimals: int = 0) -> str:
+    """A lower bound for prose: `decimals` places, rounded down, so "at least" never overstates it (14.7 -> '14')."""
+    return _format_rounded(x, decimals, ROUND_FLOOR)
+
+
+def format_ceil(x: float, decimals: int = 0) -> str:
+    """An upper bound for prose: `decimals` places, rounded up, so "at most" never understates it (4.31 -> '5')."""
+    return _format_rounded(x, decimals, ROUND_CEILING)
+
+
+def _format_rounded(x: float, decimals: int, rounding: str) -> str:
+    # Decimal(repr) keeps the float's shortest decimal form: 0.29 floors to '0.29', not '0.28'.
+    value = Decimal(repr(float(x))).quantize(Decimal(1).scaleb(-decimals), rounding=rounding)
+    return f"{value:,.{decimals}f}"
 
 
 # Bytes per element. fp8/int8 caches also keep small per-block scales; those are not counted here.
