@@ -278,11 +278,11 @@ def plot(sweep: Sweep, rows: list[dict[str, Any]], name: str, x: str | None = No
     if name not in done[0]:
         known = [k for k in done[0] if k not in sweep.grid and k not in ("status", "error")]
         raise SweepError(f"the lab glued no scalar {name!r}; it glued: {', '.join(known)}")
-    if not all(_is_number(row.get(name)) for row in done):
+    if any(_as_number(row.get(name)) is None for row in done):
         raise SweepError(f"{name!r} is not a number in every run, so it cannot be plotted")
     from kvlab import plot as kplot  # matplotlib only when a plot is asked for
 
-    numeric_x = all(_is_number(v) for v in sweep.grid[x])
+    numeric_x = all(_as_number(v) is not None and not isinstance(v, str) for v in sweep.grid[x])
     others = [axis for axis in sweep.grid if axis != x]
     fig, ax = kplot.figure()
     for key, group in itertools.groupby(
@@ -292,7 +292,7 @@ def plot(sweep: Sweep, rows: list[dict[str, Any]], name: str, x: str | None = No
         xs = [row[x] if numeric_x else sweep.grid[x].index(row[x]) for row in group]
         order = sorted(range(len(xs)), key=xs.__getitem__)
         label = ", ".join(f"{a}={v}" for a, v in zip(others, key, strict=True)) or None
-        ax.plot([xs[i] for i in order], [group[i][name] for i in order], "o-", label=label)
+        ax.plot([xs[i] for i in order], [_as_number(group[i][name]) for i in order], "o-", label=label)
     positive = [v for v in sweep.grid[x] if numeric_x and v > 0]
     if numeric_x and len(positive) == len(sweep.grid[x]) and max(positive) >= 16 * min(positive):
         ax.set_xscale("log", base=2)  # doubling grids (1, 2, 4, ... 64) read best on a log2 axis
@@ -346,6 +346,8 @@ def main(args) -> int:
     stored = glued_scalars(sweep.notebook)  # labs are committed with outputs: check --plot before running
     if args.plot and stored and args.plot not in stored:
         raise SweepError(f"the lab glues no scalar {args.plot!r}; it glues: {', '.join(stored)}")
+    if args.plot in stored and _as_number(stored[args.plot]) is None:
+        raise SweepError(f"--plot {args.plot!r} is not a number (the lab glues {stored[args.plot]!r})")
     try:
         outcome = run_sweep(sweep, progress=not args.no_progress)
     except KeyboardInterrupt:
@@ -355,12 +357,12 @@ def main(args) -> int:
         f"{len(outcome.rows)} points: {outcome.ran} run, {outcome.skipped} already done, "
         f"{outcome.failed} failed -> {outcome.csv}"
     )
-    if args.plot:
-        print(f"plot: {plot(sweep, outcome.rows, args.plot, args.x)}")
     for row in outcome.rows:
         if row["status"] != "ok":
             point = ", ".join(f"{a}={row[a]}" for a in sweep.grid)
             print(f"failed: {point}: {row['error']}")
+    if args.plot:
+        print(f"plot: {plot(sweep, outcome.rows, args.plot, args.x)}")
     return 1 if outcome.failed else 0
 
 
@@ -405,8 +407,13 @@ def _unique(values: list[Any]) -> list[Any]:
     return kept
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _as_number(value: Any) -> float | None:
+    """A plottable number: glued ints and floats, and the strings labs format for prose ('1,025', '0.0001')."""
+    if isinstance(value, str):
+        value = _literal(value.replace(",", "").replace("_", ""), None)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return value
+    return None
 
 
 def _jsonable(value: Any) -> Any:
