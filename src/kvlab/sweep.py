@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-GLUE_MIME = (
-    "application/papermill.record/text/plain"  # where myst_nb.glue (like scrapbook) stores a value's repr
-)
+# myst_nb.glue, like scrapbook before it, stores each value's repr under this mime type in a cell output
+GLUE_MIME = "application/papermill.record/text/plain"
 RESULTS = "results.csv"
 _UNREADABLE = object()  # a repr that is not a literal: a figure, a table
 INSTALL_HINT = 'kvlab sweep needs papermill, tqdm and ipykernel: pip install "kvlab[sweep]"'
