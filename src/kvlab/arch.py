@@ -196,7 +196,7 @@ def describe(config: PretrainedConfig | str) -> ArchSpec:
     layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
     layer_configs = text.per_layer_config
     mla = getattr(text, "kv_lora_rank", None) is not None
-    layers = []
+    layers: list[LayerSpec] = []
     for index, (layer_type, kwargs, layer_config) in enumerate(
         zip(layer_types, layer_kwargs, layer_configs, strict=True)
     ):

@@ -153,14 +153,18 @@ class MemoryTracker:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._start
-            self.retained_bytes = torch.cuda.memory_allocated(self.device) - self._start
+        device = pick_device(self.device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(device) - self._start
+            self.retained_bytes = torch.cuda.memory_allocated(device) - self._start
         else:
-            self._mode.__exit__(*exc)
-            self._mode._sweep()
-            self.peak_bytes, self.retained_bytes = self._mode.peak, self._mode.current
+            mode, self._mode = self._mode, None
+            if mode is None:
+                raise RuntimeError("MemoryTracker exited without being entered")
+            mode.__exit__(*exc)
+            mode._sweep()
+            self.peak_bytes, self.retained_bytes = mode.peak, mode.current
 
 
 def cuda_context_bytes(device: str | torch.device | None = None) -> int:
@@ -216,7 +220,7 @@ class Timer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.device.type == "cuda":
+        if pick_device(self.device).type == "cuda":
             self._events[1].record()
             self._events[1].synchronize()
             self.seconds = self._events[0].elapsed_time(self._events[1]) / 1e3

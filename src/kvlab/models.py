@@ -144,7 +144,8 @@ def tiny_model(
     # None lets transformers pick (sdpa where the family supports it, eager otherwise).
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     # Random init leaves some norms at exactly 1 and biases at 0; that is fine for cache and timing labs.
-    return model.to(pick_device(device)).eval()
+    torch.nn.Module.to(model, pick_device(device))
+    return model.eval()
 
 
 def load_model(
@@ -162,7 +163,8 @@ def load_model(
             f"could not load model {name_or_path!r}: {err}. Hub ids need internet access; offline, pass a local "
             "directory written by save_pretrained, or use kvlab.models.tiny_model for a random model."
         ) from None
-    return model.to(pick_device(device)).eval()
+    torch.nn.Module.to(model, pick_device(device))
+    return model.eval()
 
 
 def scaled_down(

@@ -280,8 +280,9 @@ def prefill(
     kv = kv_cache_bytes(config, prompt_len, batch_size, kv_dtype)
     # Logits only for each prompt's last token (what generate() and serving engines compute).
     body = cost.active_params - cost.lm_head_params
-    flops = 2 * (body * tokens + cost.lm_head_params * batch_size)
-    flops += batch_size * cost.prefill_attention_flops(prompt_len)
+    flops = 2 * (
+        body * tokens + cost.lm_head_params * batch_size
+    ) + batch_size * cost.prefill_attention_flops(prompt_len)
     return StepEstimate(
         compute_s=flops / hw.flops,
         memory_s=(weights + kv) / hw.bandwidth_bytes_per_s,

@@ -116,6 +116,8 @@ def weight_bytes(config: PretrainedConfig | str, dtype_or_bits: DType | int = No
         if dtype_or_bits not in (1, 2, 3, 4, 5, 6, 8, 16, 32):
             raise ValueError(f"weight bits must be one of 1-6, 8, 16 or 32, got {dtype_or_bits}")
         return math.ceil(params * dtype_or_bits / 8)
+    if isinstance(dtype_or_bits, bool):
+        raise ValueError(f"weight precision must be a dtype or a bit count, got {dtype_or_bits!r}")
     config = resolve(config)
     return params * dtype_bytes(config_dtype(config) if dtype_or_bits is None else dtype_or_bits)
 
