@@ -10,7 +10,7 @@ export PYTHONHASHSEED := 0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install book test lint pytest nbval smoke book-check outputs clean fork
+.PHONY: install book test lint pytest nbval smoke book-check outputs clean fork lab
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -41,6 +41,17 @@ nbval: install
 
 smoke: install
 	$(PY) tests/smoke_sweep.py
+
+## make lab: JupyterLab at the repository root with the venv's kernel (labs trusted); prints the URL to open.
+## LAB_PORT=8888 LAB_IP=127.0.0.1 by default; as root it adds --allow-root. Remote box: see the README.
+LAB_PORT ?= 8888
+LAB_IP ?= 127.0.0.1
+lab: install
+	$(BIN)/jupyter trust $(NOTEBOOKS)
+	@echo "JupyterLab: open the http://$(LAB_IP):$(LAB_PORT)/lab?token=... URL printed below (Ctrl-C stops it)."
+	JUPYTER_PREFER_ENV_PATH=1 $(BIN)/jupyter-lab --no-browser --ip=$(LAB_IP) --port=$(LAB_PORT) \
+	  --ServerApp.root_dir="$(CURDIR)" --LabApp.app_settings_dir="$(CURDIR)/jupyterlab" \
+	  $(if $(filter 0,$(shell id -u)),--allow-root)
 
 ## make outputs: re-execute every notebook in place (seeded, CPU) to refresh the outputs nbval compares.
 outputs: install
