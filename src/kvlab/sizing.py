@@ -68,20 +68,6 @@ def kv_cache_bytes(
     )
 
 
-def max_tokens_for_budget(config: PretrainedConfig | str, budget_bytes: int, dtype: DType = None) -> int:
-    """How many full-attention tokens (summed over sequences) fit in `budget_bytes` of KV memory."""
-    per_token = kv_bytes_per_token(config, dtype)
-    return int(budget_bytes // per_token) if per_token else 0
-
-
-def max_sequences(
-    config: PretrainedConfig | str, budget_bytes: int, context_len: int, dtype: DType = None
-) -> int:
-    """How many sequences of `context_len` tokens fit in `budget_bytes` of KV memory."""
-    per_seq = kv_cache_bytes(config, check_count("context_len", context_len), 1, dtype)
-    return int(budget_bytes // per_seq) if per_seq else 0
-
-
 @lru_cache(maxsize=64)
 def _param_count(config_json: str, model_type: str) -> int:
     import json
