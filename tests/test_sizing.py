@@ -158,8 +158,3 @@ def test_crossover_is_tight_and_none_when_window_caps():
     assert sizing.kv_cache_bytes("meta-llama/Llama-3.1-8B", n - 1, 1, "bf16") < weights
     assert sizing.crossover_context("mistralai/Mistral-7B-v0.1", 1, "bf16", "bf16") is None
     assert sizing.crossover_context("mistralai/Mistral-7B-v0.1", 32, "bf16", "bf16") is not None
-
-
-def test_max_sequences():
-    per_seq = sizing.kv_cache_bytes("meta-llama/Llama-3.1-8B", 4096, 1, "bf16")
-    assert sizing.max_sequences("meta-llama/Llama-3.1-8B", 10 * per_seq + 1, 4096, "bf16") == 10
