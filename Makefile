@@ -10,7 +10,7 @@ export PYTHONHASHSEED := 0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install book test lint pytest nbval smoke book-check outputs clean fork lab
+.PHONY: install book test lint pytest nbval smoke book-check outputs clean fork lab browser
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -27,11 +27,11 @@ book: install
 	$(BIN)/jupyter-book build . --all -W -n --keep-going
 
 ## make test: lint, pytest, nbval on every notebook, a papermill smoke sweep, and a warning-free book build.
-test: lint pytest nbval smoke book
+test: lint pytest nbval smoke book browser
 
 lint: install
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks _ext
+	$(BIN)/ruff format --check src tests benchmarks _ext
 
 pytest: install
 	$(BIN)/pytest tests -p no:cacheprovider
@@ -41,6 +41,11 @@ nbval: install
 
 smoke: install
 	$(PY) tests/smoke_sweep.py
+
+## make browser (after make book): every page of _build/html in headless Chromium, offline; screenshots in
+## _build/screenshots/book, readability notes in _build/screenshots/readability.txt.
+browser: install
+	$(BIN)/pytest tests/browser_book.py -p no:cacheprovider
 
 ## make lab: JupyterLab at the repository root with the venv's kernel (labs trusted); prints the URL to open.
 ## LAB_PORT=8888 LAB_IP=127.0.0.1 by default; as root it adds --allow-root. Remote box: see the README.

@@ -33,6 +33,18 @@ STYLE = {
 }
 
 
+# The book's text column is about 688 CSS px (7.17 in) wide in a 1280 px window; wider figures are shrunk to it.
+COLUMN_INCHES = 7.17
+MIN_RENDERED_PT = 9.5  # smallest tick / legend text a reader sees in the column
+_TEXT_KEYS = ("font.size", "axes.titlesize", "axes.labelsize")
+
+
+def text_scale(width_inches: float) -> float:
+    """Factor on the style's font sizes so a figure this wide, shrunk to the column, keeps readable text."""
+    shrink = max(1.0, width_inches / COLUMN_INCHES)
+    return max(1.0, MIN_RENDERED_PT * shrink / STYLE["font.size"])
+
+
 def use_style() -> None:
     """Apply the house style to every later figure (call once per notebook)."""
     mpl.rcParams.update(STYLE)
@@ -43,6 +55,9 @@ def figure(ncols: int = 1, nrows: int = 1, **kwargs) -> tuple[Figure, Axes | Seq
     width, height = STYLE["figure.figsize"]
     kwargs.setdefault("figsize", (width * (1 + 0.75 * (ncols - 1)), height * (1 + 0.8 * (nrows - 1))))
     kwargs.setdefault("layout", "constrained")
+    # Text created for this figure (ticks, legend, labels) scales with its width.
+    scale = text_scale(kwargs["figsize"][0])
+    mpl.rcParams.update({key: STYLE[key] * scale for key in _TEXT_KEYS})
     return plt.subplots(nrows, ncols, **kwargs)
 
 
