@@ -283,15 +283,19 @@ def plot(sweep: Sweep, rows: list[dict[str, Any]], name: str, x: str | None = No
 
     numeric_x = all(_as_number(v) is not None and not isinstance(v, str) for v in sweep.grid[x])
     others = [axis for axis in sweep.grid if axis != x]
+    from matplotlib.axes import Axes
+
     fig, ax = kplot.figure()
-    for key, group in itertools.groupby(
+    assert isinstance(ax, Axes)  # one row, one column: a single Axes
+    for key, grouped in itertools.groupby(
         sorted(done, key=lambda r: [repr(r[a]) for a in others]), key=lambda r: [r[a] for a in others]
     ):
-        group = list(group)
+        group = list(grouped)
         xs = [row[x] if numeric_x else sweep.grid[x].index(row[x]) for row in group]
         order = sorted(range(len(xs)), key=xs.__getitem__)
+        ys = [float(_as_number(group[i][name]) or 0.0) for i in order]  # every value was checked above
         label = ", ".join(f"{a}={v}" for a, v in zip(others, key, strict=True)) or None
-        ax.plot([xs[i] for i in order], [_as_number(group[i][name]) for i in order], "o-", label=label)
+        ax.plot([xs[i] for i in order], ys, "o-", label=label)
     positive = [v for v in sweep.grid[x] if numeric_x and v > 0]
     if numeric_x and len(positive) == len(sweep.grid[x]) and max(positive) >= 16 * min(positive):
         ax.set_xscale("log", base=2)  # doubling grids (1, 2, 4, ... 64) read best on a log2 axis
