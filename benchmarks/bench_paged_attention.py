@@ -66,7 +66,10 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's own)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(env_report("cpu"))
     print(
         f"decode attention, one layer, {args.heads} heads / {args.kv_heads} KV heads × {args.head_dim}, fp32"

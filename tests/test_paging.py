@@ -16,6 +16,7 @@ from kvlab.paging import (
     enable_paged_attention,
     paged_attention_forward,
     slots_for,
+    split_by_width,
 )
 from kvlab.sizing import kv_bytes_per_token
 
@@ -38,10 +39,10 @@ def test_paged_attention_matches_contiguous_sdpa(window):
     """Mixed step: two decodes and two prefill chunks (one with a cached prefix), blocks scattered in the pool."""
     gen = torch.Generator().manual_seed(0)
     shape = KVShape(num_layers=1, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
-    pool = KVPool(shape, num_blocks=32, block_size=BLOCK)
-    perm = torch.randperm(32, generator=gen).tolist()
+    pool = KVPool(shape, num_blocks=64, block_size=BLOCK)
+    perm = torch.randperm(64, generator=gen).tolist()
     # (tokens already cached, tokens this step) per sequence
-    plan = [(9, 1), (0, 7), (5, 6), (14, 1), (3, 1)]
+    plan = [(9, 1), (0, 7), (5, 6), (14, 1), (3, 1), (60, 1), (58, 1)]
     tables, full_k, full_v = [], [], []
     for cached, new in plan:
         total = cached + new
@@ -59,6 +60,7 @@ def test_paged_attention_matches_contiguous_sdpa(window):
         [s for (c, n), t in zip(plan, tables, strict=True) for s in slots_for(t, c, c + n, BLOCK)]
     )
     ctx = PagedContext.build(pool, slot_mapping, [n for _, n in plan], [c + n for c, n in plan], tables)
+    assert len(ctx.decodes) == 2, "long and short decodes attend in separate groups"
     step_k = torch.cat([k[:, :, c:] for k, (c, _) in zip(full_k, plan, strict=True)], dim=2)
     step_v = torch.cat([v[:, :, c:] for v, (c, _) in zip(full_v, plan, strict=True)], dim=2)
     out, _ = paged_attention_forward(
@@ -122,7 +124,7 @@ def test_mla_is_rejected():
         KVShape.from_config(tiny_config("deepseek_v2"))
 
 
-def test_paged_context_declares_decode_batch_and_prefill_chunks():
+def test_paged_context_declares_decode_groups_and_prefill_chunks():
     pool = KVPool(KVShape(1, 1, 2), num_blocks=8, block_size=2)
     # decode (ctx 3), prefill from scratch (3 tokens), decode (ctx 4), chunk after 2 cached tokens (3 more)
     ctx = PagedContext.build(
@@ -136,22 +138,32 @@ def test_paged_context_declares_decode_batch_and_prefill_chunks():
         "pool",
         "slot_mapping",
         "block_ids",
-        "decode",
+        "decodes",
         "prefills",
     }
-    decode = ctx.decode
-    assert torch.equal(decode.tokens, torch.tensor([0, 4])) and decode.num_seqs == 2 and decode.width == 2
-    assert decode.num_keys == 4 and not decode.uniform and decode.num_blocks == 4
+    (group,) = ctx.decodes
+    assert (
+        torch.equal(group.tokens, torch.tensor([0, 4]))
+        and group.num_seqs == 2
+        and group.blocks == slice(0, 4)
+    )
+    assert group.num_keys == 4 and not group.uniform
     assert [(c.start, c.query_len, c.context_len) for c in ctx.prefills] == [(1, 3, 3), (5, 3, 5)]
     assert ctx.prefills[0].blocks is None, "nothing cached: the chunk attends to the step's own K/V"
     assert ctx.block_ids.tolist() == [1, 2, 5, 6, 7, 0, 2] and ctx.prefills[1].blocks == slice(4, 7)
-    assert (
-        ctx.decode.mask(None).shape == (2, 1, 1, 4)
-        and ctx.prefills[0].mask(None, torch.device("cpu")) is None
-    )
+    assert group.mask(None).shape == (2, 1, 1, 4) and ctx.prefills[0].mask(None, torch.device("cpu")) is None
     only_decodes = PagedContext.build(pool, torch.zeros(2, dtype=torch.long), [1, 1], [2, 2], [[1], [2]])
-    assert only_decodes.decode.tokens == slice(0, 2) and only_decodes.decode.mask(None) is None
+    assert only_decodes.decodes[0].tokens == slice(0, 2) and only_decodes.decodes[0].mask(None) is None
     assert only_decodes.prefills == []
+
+
+def test_decode_groups_split_by_context_length():
+    assert split_by_width([10, 10, 9]) == [3]
+    assert split_by_width([40, 39, 38, 2, 2, 1]) == [3, 6], "short rows are not padded to the long ones"
+    tables = [[0] * 40, [1], [2] * 39, [3]]
+    ctx = PagedContext.build(KVPool(KVShape(1, 1, 2), 64, 1), torch.zeros(4, dtype=torch.long), [1] * 4,
+                             [40, 1, 39, 1], tables)  # fmt: skip
+    assert [g.tokens.tolist() for g in ctx.decodes] == [[0, 2], [1, 3]] and len(ctx.block_ids) == 80 + 2
 
 
 def test_pool_gather_reuses_its_workspace():

@@ -39,6 +39,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.kv_bytes_per_token = KVPool.bytes_per_token(self.shape, self.dtype)
         enable_paged_attention(model)
+        # transformers passes a prepared 4-D mask through untouched instead of building one over the flat batch;
+        # the PagedContext carries the real masks, so this placeholder is all the model needs.
+        self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         num_blocks = config.num_blocks
         if num_blocks is None:
             num_blocks = self.profile_num_blocks(config.memory_budget_bytes, config.max_num_batched_tokens)
@@ -64,8 +67,7 @@ class ModelRunner:
         ctx = PagedContext.build(scratch, slots, [tokens], [tokens], [table])
         ids = torch.zeros(1, tokens, dtype=torch.long, device=self.device)
         with MemoryTracker(self.device) as mem:
-            self.model(input_ids=ids, position_ids=torch.arange(tokens, device=self.device)[None],
-                       use_cache=False, paged_context=ctx, logits_to_keep=1)  # fmt: skip
+            self.forward(ids, torch.arange(tokens, device=self.device)[None], ctx, 1)
         per_block = self.block_size * self.kv_bytes_per_token
         num_blocks = (budget - weights - mem.peak_bytes) // per_block
         logger.info(
@@ -111,15 +113,32 @@ class ModelRunner:
         ctx = PagedContext.build(
             self.pool, torch.tensor(slots, device=device), list(batch.num_new_tokens), context_lens, tables
         )
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=torch.tensor([ids], device=device),
-                position_ids=torch.tensor([positions], device=device),
-                use_cache=False,
-                paged_context=ctx,
-                logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=device),
-            )
-        return sampled, self.sample(sampled, out.logits[0].float())
+        logits = self.forward(
+            torch.tensor([ids], device=device),
+            torch.tensor([positions], device=device),
+            ctx,
+            torch.tensor(sample_rows, dtype=torch.long, device=device),
+        )
+        return sampled, self.sample(sampled, logits[0].float())
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: PagedContext,
+        logits_to_keep: int | torch.Tensor,
+    ) -> torch.Tensor:
+        """One forward of a flat batch `(1, tokens)` through the paged attention; logits of the kept rows."""
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=self._no_mask,
+            use_cache=False,
+            paged_context=ctx,
+            logits_to_keep=logits_to_keep,
+        )
+        return out.logits
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         """Greedy for temperature 0; otherwise a multinomial draw from a per-sequence seeded generator."""

@@ -10,7 +10,7 @@ transformers' `AttentionInterface` as ``"kvlab_paged"``, and `enable_paged_atten
 through transformers' public `set_attn_implementation`. Every attention layer then calls it with the layer's fresh
 Q, K and V (RoPE applied). It writes K and V into the layer's pool through the step's slot mapping, then attends
 each sequence's queries to its whole context read back through its block table. The per-step `PagedContext`
-(slot mapping, a `DecodeBatch` of one-token sequences and a list of `PrefillChunk`s) travels as a keyword argument
+(slot mapping, `DecodeGroup`s of one-token sequences and a list of `PrefillChunk`s) travels as a keyword argument
 of the model's forward, which transformers passes down to the attention function; `module.layer_idx` selects the
 layer's pool. The context carries the masks (causal within the context, plus a sliding window when the layer has
 one), so the mask transformers prepares is never built on that path. A call without a `PagedContext`
@@ -141,12 +141,15 @@ def _causal_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | N
 
 
 @dataclass
-class DecodeBatch:
-    """The sequences computing one token this step, attended in one padded SDPA call per layer."""
+class DecodeGroup:
+    """Sequences computing one token this step, attended in one padded SDPA call per layer.
+
+    A step's decode sequences are split into groups of similar context length, so that padding every row to the
+    longest context does not double the keys read (with mixed lengths about half of them were padding).
+    """
 
     tokens: torch.Tensor | slice  # where their tokens sit in the step's flat batch (a slice when consecutive)
-    num_blocks: int  # rows of the step's gather index they own: seqs × width, padding pointing at block 0
-    width: int  # blocks per sequence after padding
+    blocks: slice  # their rows of the step's gather index: seqs × width, padding pointing at block 0
     num_keys: int  # the longest context; keys past it are padding in every row
     context_lens: torch.Tensor  # (seqs,)
     uniform: bool  # all contexts equally long: no mask needed without a window
@@ -169,6 +172,27 @@ class DecodeBatch:
                     :, None, None
                 ]
         return self.masks[window]
+
+
+GROUP_COST_BLOCKS = 8  # one more SDPA call costs about as much as padding this many block rows
+
+
+def split_by_width(widths: list[int], group_cost: int = GROUP_COST_BLOCKS) -> list[int]:
+    """Cut points of `widths` (sorted longest first) into groups, minimising padded rows + `group_cost` per group.
+
+    Returns the end index of each group. Dynamic programming over the cut points: a group `[i, j)` costs
+    `(j - i) * widths[i] + group_cost`.
+    """
+    n = len(widths)
+    best = [0] + [0] * n
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        best[j], cut[j] = min((best[i] + (j - i) * widths[i] + group_cost, i) for i in range(j))
+    ends = []
+    while n:
+        ends.append(n)
+        n = cut[n]
+    return ends[::-1]
 
 
 @dataclass
@@ -206,14 +230,14 @@ class PagedContext:
     """What one forward step needs to read and write the pool; built once per step, shared by all layers.
 
     The step's tokens are flat: sequence `i` owns `query_lens[i]` consecutive tokens, the last of its context of
-    `context_lens[i]` tokens (context includes them). One-token sequences form the `decode` batch; the others are
+    `context_lens[i]` tokens (context includes them). One-token sequences form the `decodes` groups; the others are
     `prefills`, attended one call each. `block_ids` lists every block any layer reads this step, decode rows first.
     """
 
     pool: KVPool
     slot_mapping: torch.Tensor  # (tokens,) flat slot of each scheduled token
     block_ids: torch.Tensor  # (blocks,) what each layer gathers, built once per step
-    decode: DecodeBatch | None
+    decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
 
     @classmethod
@@ -225,31 +249,35 @@ class PagedContext:
         context_lens: list[int],
         block_tables: list[list[int]],
     ) -> PagedContext:
-        """Group a step's sequences (in flat-batch order) into the decode batch and prefill chunks."""
+        """Group a step's sequences (in flat-batch order) into decode groups and prefill chunks."""
         device = slot_mapping.device
         starts = [0]
         for q in query_lens:
             starts.append(starts[-1] + q)
-        decode = [i for i, q in enumerate(query_lens) if q == 1]
+        decode = sorted((i for i, q in enumerate(query_lens) if q == 1), key=lambda i: -len(block_tables[i]))
         block_ids: list[int] = []
-        batch = None
-        if decode:
-            width = max(len(block_tables[i]) for i in decode)
-            for i in decode:  # padding entries point at block 0; the key mask hides them
+        groups = []
+        begin = 0
+        for end in split_by_width([len(block_tables[i]) for i in decode]):
+            members = decode[begin:end]
+            width, first = len(block_tables[members[0]]), len(block_ids)
+            for i in members:  # padding entries point at block 0; the key mask hides them
                 block_ids += block_tables[i] + [0] * (width - len(block_tables[i]))
-            lens = [context_lens[i] for i in decode]
-            first = starts[decode[0]]
-            consecutive = [starts[i] for i in decode] == list(range(first, first + len(decode)))
-            batch = DecodeBatch(
-                tokens=slice(first, first + len(decode))
-                if consecutive
-                else torch.tensor([starts[i] for i in decode], device=device),
-                num_blocks=len(block_ids),
-                width=width,
-                num_keys=max(lens),
-                context_lens=torch.tensor(lens, device=device),
-                uniform=min(lens) == max(lens),
+            lens = [context_lens[i] for i in members]
+            tokens = [starts[i] for i in members]
+            consecutive = tokens == list(range(tokens[0], tokens[0] + len(tokens)))
+            groups.append(
+                DecodeGroup(
+                    tokens=slice(tokens[0], tokens[-1] + 1)
+                    if consecutive
+                    else torch.tensor(tokens, device=device),
+                    blocks=slice(first, len(block_ids)),
+                    num_keys=max(lens),
+                    context_lens=torch.tensor(lens, device=device),
+                    uniform=min(lens) == max(lens),
+                )
             )
+            begin = end
         prefills = []
         for i, q in enumerate(query_lens):
             if q == 1:
@@ -260,7 +288,7 @@ class PagedContext:
                 block_ids += block_tables[i]
             prefills.append(PrefillChunk(starts[i], q, context_lens[i], rows))
         ids = torch.tensor(block_ids, dtype=torch.long, device=device)
-        return cls(pool, slot_mapping, ids, batch, prefills)
+        return cls(pool, slot_mapping, ids, groups, prefills)
 
 
 def paged_attention_forward(
@@ -295,25 +323,21 @@ def paged_attention_forward(
     ctx.pool.write(layer, ctx.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
     gqa = query.shape[1] != key.shape[1]
     k_blocks, v_blocks = ctx.pool.gather(layer, ctx.block_ids) if len(ctx.block_ids) else (None, None)
-    decode = ctx.decode
-    if decode is not None and decode.num_seqs == q.shape[0]:
-        out = None  # every token is a decode: the decode output is the whole output
-    else:
-        out = torch.empty_like(q)
-    if decode is not None:
+    whole = len(ctx.decodes) == 1 and not ctx.prefills and isinstance(ctx.decodes[0].tokens, slice)
+    out = None if whole else torch.empty_like(q)  # a step of decodes only returns the group's output as is
+    for group in ctx.decodes:
         assert k_blocks is not None and v_blocks is not None
-        n, keys = decode.num_seqs, decode.num_keys
-
-        def rows(blocks: torch.Tensor) -> torch.Tensor:  # (seqs, kv_heads, keys, head_dim), a view
-            return blocks[: decode.num_blocks].view(n, -1, *blocks.shape[2:])[:, :keys].transpose(1, 2)
-
+        k, v = (  # (seqs, kv_heads, keys, head_dim), views of the gathered blocks
+            b[group.blocks].view(group.num_seqs, -1, *b.shape[2:])[:, : group.num_keys].transpose(1, 2)
+            for b in (k_blocks, v_blocks)
+        )
         o = F.scaled_dot_product_attention(
-            q[decode.tokens][:, :, None, :], rows(k_blocks), rows(v_blocks), attn_mask=decode.mask(sliding_window),
+            q[group.tokens][:, :, None, :], k, v, attn_mask=group.mask(sliding_window),
             scale=scaling, enable_gqa=gqa,
         )[:, :, 0, :]  # fmt: skip
         if out is None:
             return o.to(query.dtype)[None], None
-        out[decode.tokens] = o.to(out.dtype)
+        out[group.tokens] = o.to(out.dtype)
     assert out is not None
     for chunk in ctx.prefills:
         if chunk.blocks is None:  # nothing cached before it: its K/V are this step's
