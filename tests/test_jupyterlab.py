@@ -213,6 +213,16 @@ def test_lab_runs_in_jupyterlab_and_shows_in_chromium(server):
         page.wait_for_timeout(500)
         page.screenshot(path=str(shot))
         shown = page.locator(".jp-Notebook").inner_text()
+
+        # The chapter's explanation opens as a MyST preview (jupyterlab-myst): math typeset, and the
+        # JupyterLab-only note links to the rendered page, since glue roles show only as their keys here.
+        chapter = str(Path(LAB).parent)
+        page.goto(f"{server.url}/lab/tree/{chapter}/index.md?token={server.token}", timeout=60_000)
+        note = page.locator(f'a[href="/files/_build/html/{chapter}/index.html"]')
+        note.wait_for(timeout=60_000)
+        page.wait_for_selector(".jp-MainAreaWidget .katex", timeout=30_000)
+        page.wait_for_timeout(500)
+        page.screenshot(path=str(SCREENSHOTS / f"jupyterlab-{Path(chapter).name}-index.png"))
     heading = cells_md[0]["source"][0].lstrip("# ").strip()
     assert heading in shown, f"JupyterLab does not show the lab's title {heading!r}"
     assert not errors, f"JavaScript errors in JupyterLab: {errors}"
