@@ -8,6 +8,7 @@ measured and written to _build/screenshots/readability.txt; it is reported, not 
 Run explicitly (`pytest tests/browser_book.py`): it needs the book built first.
 """
 
+import json
 import os
 import re
 import struct
@@ -113,9 +114,25 @@ def figure_text_pt(figure: dict) -> float | None:
     if not dpi:
         return None
     width_inches = figure["natural"] / dpi
-    font_pt = plot.STYLE["font.size"] * plot.text_scale(width_inches)  # as kvlab.plot sizes it
+    # Tick labels, as kvlab.plot sizes them (a lab's fixed font size is listed by fixed_font_notes).
+    font_pt = plot.STYLE["xtick.labelsize"] * plot.text_scale(width_inches)
     font_px = font_pt * dpi / 72  # text height in image pixels
     return font_px * figure["shown"] / figure["natural"] * 0.75  # CSS px -> pt
+
+
+def fixed_font_notes() -> list[str]:
+    """Labs that set a numeric font size bypass kvlab.plot's width scaling; list each such call."""
+    notes = []
+    for lab in sorted((ROOT / "book").glob("*/lab.ipynb")):
+        cells = json.loads(lab.read_text())["cells"]
+        for i, cell in enumerate(c for c in cells if c["cell_type"] == "code"):
+            for match in re.finditer(
+                r"\b(fontsize|labelsize|size)=(\d+(?:\.\d+)?)\b", "".join(cell["source"])
+            ):
+                notes.append(
+                    f"{lab.relative_to(ROOT)} code cell {i}: {match[0]} (fixed size, not scaled by kvlab.plot)"
+                )
+    return notes
 
 
 def pages() -> list[Path]:
@@ -171,6 +188,7 @@ def test_every_page_reads_offline():
             shots += 1
             page.close()
         context.close()
+    notes += fixed_font_notes()
     (SCREENSHOTS / "readability.txt").write_text(
         f"Readability notes at a {VIEWPORT['width']} px wide window: figure text under {MIN_PT} pt (estimated from"
         " kvlab.plot's font size and the image's scale), chapter cross-references that are not links.\n"

@@ -8,7 +8,7 @@ import matplotlib as mpl
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocator
 
 from kvlab.units import format_bytes
 
@@ -30,13 +30,18 @@ STYLE = {
     "axes.labelsize": 11,
     "legend.frameon": False,
     "font.size": 10,
+    "xtick.labelsize": 10,
+    "ytick.labelsize": 10,
+    "legend.fontsize": 10,
 }
 
 
 # The book's text column is about 688 CSS px (7.17 in) wide in a 1280 px window; wider figures are shrunk to it.
 COLUMN_INCHES = 7.17
 MIN_RENDERED_PT = 9.5  # smallest tick / legend text a reader sees in the column
-_TEXT_KEYS = ("font.size", "axes.titlesize", "axes.labelsize")
+# Tick labels and legends scale with the figure's width; titles and axis labels keep their size, so long
+# titles of side-by-side panels do not run into each other.
+_TEXT_KEYS = ("xtick.labelsize", "ytick.labelsize", "legend.fontsize")
 
 
 def text_scale(width_inches: float) -> float:
@@ -55,10 +60,35 @@ def figure(ncols: int = 1, nrows: int = 1, **kwargs) -> tuple[Figure, Axes | Seq
     width, height = STYLE["figure.figsize"]
     kwargs.setdefault("figsize", (width * (1 + 0.75 * (ncols - 1)), height * (1 + 0.8 * (nrows - 1))))
     kwargs.setdefault("layout", "constrained")
-    # Text created for this figure (ticks, legend, labels) scales with its width.
+    # Tick labels and legends created for this figure scale with its width.
     scale = text_scale(kwargs["figsize"][0])
     mpl.rcParams.update({key: STYLE[key] * scale for key in _TEXT_KEYS})
     return plt.subplots(nrows, ncols, **kwargs)
+
+
+_BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+class BinaryLocator(MaxNLocator):
+    """Linear-axis ticks on round values of one binary unit: 0, 20, 40 GiB rather than 18.6, 37.3 GiB.
+
+    The whole axis is labelled in that one unit (`label`), e.g. 250 MiB ... 1250 MiB, never MiB and GiB mixed.
+    """
+
+    def __init__(self):
+        super().__init__(nbins="auto", steps=[1, 2, 2.5, 5, 10])
+        self.exponent = 0
+
+    def tick_values(self, vmin: float, vmax: float):
+        top = max(abs(vmin), abs(vmax))
+        self.exponent = 0
+        while self.exponent < len(_BINARY_UNITS) - 1 and top >= 2 * 1024 ** (self.exponent + 1):
+            self.exponent += 1  # the largest unit with at least 2 of it on the axis
+        unit = 1024**self.exponent
+        return super().tick_values(vmin / unit, vmax / unit) * unit
+
+    def label(self, value: float) -> str:
+        return f"{value / 1024**self.exponent:g} {_BINARY_UNITS[self.exponent]}" if value else "0"
 
 
 def bytes_axis(ax: Axes, axis: str = "y") -> None:
@@ -67,9 +97,15 @@ def bytes_axis(ax: Axes, axis: str = "y") -> None:
     if target.get_scale() == "log":  # powers of 4 land on round binary sizes: 1 KiB, 4 KiB, 16 KiB, ...
         target.set_major_locator(LogLocator(base=4, numticks=12))
         target.set_minor_locator(NullLocator())
-    target.set_major_formatter(
-        FuncFormatter(lambda value, _pos: format_bytes(value, 3) if value >= 0 else "")
-    )
+        target.set_major_formatter(
+            FuncFormatter(lambda value, _pos: format_bytes(value, 3) if value >= 0 else "")
+        )
+    else:
+        locator = BinaryLocator()
+        target.set_major_locator(locator)
+        target.set_major_formatter(
+            FuncFormatter(lambda value, _pos: locator.label(value) if value >= 0 else "")
+        )
 
 
 def predicted_vs_measured(
