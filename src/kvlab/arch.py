@@ -14,9 +14,10 @@ from __future__ import annotations
 import copy
 import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from huggingface_hub import is_offline_mode
 from transformers import AutoConfig, PretrainedConfig
@@ -238,3 +239,25 @@ def describe(config: PretrainedConfig | str) -> ArchSpec:
         num_attention_heads=heads,
         hidden_size=text.hidden_size,
     )
+
+
+_T = TypeVar("_T")
+
+
+def config_cache(fn: Callable[[PretrainedConfig], _T]) -> Callable[[PretrainedConfig], _T]:
+    """Memoise a pure function of a config, keyed by the config's full JSON (configs are mutable, so unhashable).
+
+    The wrapped function receives the config object itself; nothing is rebuilt from JSON.
+    """
+    cache: dict[tuple[str, str], _T] = {}
+
+    @functools.wraps(fn)
+    def cached(config: PretrainedConfig) -> _T:
+        key = (config.model_type, config.to_json_string(use_diff=False))
+        if key not in cache:
+            if len(cache) >= 128:
+                cache.pop(next(iter(cache)))  # oldest first
+            cache[key] = fn(config)
+        return cache[key]
+
+    return cached

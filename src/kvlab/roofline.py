@@ -32,13 +32,12 @@ Chapters: *Prefill and decode*, *Why decode is bandwidth-bound*.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Literal
 
 from transformers import PretrainedConfig
 
 from kvlab import hardware
-from kvlab.arch import ArchSpec, describe, resolve
+from kvlab.arch import ArchSpec, config_cache, describe, resolve
 from kvlab.sizing import (
     DType,
     check_count,
@@ -141,17 +140,7 @@ def _routed_experts(text: PretrainedConfig) -> tuple[int, int, int]:
     return moe_layers * experts * 3 * text.hidden_size * width, experts, per_token
 
 
-@lru_cache(maxsize=64)
-def _cost(config_json: str, model_type: str) -> ModelCost:
-    import json
-
-    from transformers import AutoConfig
-
-    fields = json.loads(config_json)
-    fields.pop("model_type", None)
-    return _cost_of(AutoConfig.for_model(model_type, **fields))
-
-
+@config_cache
 def _cost_of(text: PretrainedConfig) -> ModelCost:
     params = param_count(text)
     embedding = text.vocab_size * text.hidden_size
@@ -175,7 +164,7 @@ def model_cost(config: Config) -> ModelCost:
     """Params, active params and attention shape of `config` (a config or a registry name), cached."""
     config = resolve(config)
     text = config.get_text_config(decoder=True)  # image-text models: decoding runs the text decoder only
-    return _cost(text.to_json_string(use_diff=False), text.model_type)
+    return _cost_of(text)
 
 
 def active_params(config: Config) -> int:

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 from transformers import PretrainedConfig
 
-from kvlab.arch import ArchSpec, describe, resolve
+from kvlab.arch import ArchSpec, config_cache, describe, resolve
 from kvlab.units import dtype_bytes
 
 DType = torch.dtype | str | None
@@ -68,15 +67,10 @@ def kv_cache_bytes(
     )
 
 
-@lru_cache(maxsize=64)
-def _param_count(config_json: str, model_type: str) -> int:
-    import json
+@config_cache
+def _param_count(config: PretrainedConfig) -> int:
+    from transformers import AutoModel, AutoModelForCausalLM
 
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
-    fields = json.loads(config_json)
-    fields.pop("model_type", None)
-    config = AutoConfig.for_model(model_type, **fields)
     with torch.device("meta"):
         try:
             model = AutoModelForCausalLM.from_config(config)
@@ -88,8 +82,7 @@ def _param_count(config_json: str, model_type: str) -> int:
 
 def param_count(config: PretrainedConfig | str) -> int:
     """Parameters of the model a config describes, counted on the `meta` device (nothing is allocated)."""
-    config = resolve(config)
-    return _param_count(config.to_json_string(use_diff=False), config.model_type)
+    return _param_count(resolve(config))
 
 
 def weight_bytes(config: PretrainedConfig | str, dtype_or_bits: DType | int = None) -> int:
