@@ -130,7 +130,7 @@ def test_glued_scalars_of_a_stored_lab():
         ]
     }
     assert sweep.glued_scalars(nb) == {"r": 0.25}  # figures are not scalars; numpy reprs are
-    assert [sweep._as_number(v) for v in (3, 0.5, "1,025", "0.0001", "8 KiB", True)] == [
+    assert [sweep.as_number(v) for v in (3, 0.5, "1,025", "0.0001", "8 KiB", True)] == [
         3,
         0.5,
         1025,

@@ -277,11 +277,11 @@ def plot(sweep: Sweep, rows: list[dict[str, Any]], name: str, x: str | None = No
     if name not in done[0]:
         known = [k for k in done[0] if k not in sweep.grid and k not in ("status", "error")]
         raise SweepError(f"the lab glued no scalar {name!r}; it glued: {', '.join(known)}")
-    if any(_as_number(row.get(name)) is None for row in done):
+    if any(as_number(row.get(name)) is None for row in done):
         raise SweepError(f"{name!r} is not a number in every run, so it cannot be plotted")
     from kvlab import plot as kplot  # matplotlib only when a plot is asked for
 
-    numeric_x = all(_as_number(v) is not None and not isinstance(v, str) for v in sweep.grid[x])
+    numeric_x = all(as_number(v) is not None and not isinstance(v, str) for v in sweep.grid[x])
     others = [axis for axis in sweep.grid if axis != x]
     from matplotlib.axes import Axes
 
@@ -293,7 +293,7 @@ def plot(sweep: Sweep, rows: list[dict[str, Any]], name: str, x: str | None = No
         group = list(grouped)
         xs = [row[x] if numeric_x else sweep.grid[x].index(row[x]) for row in group]
         order = sorted(range(len(xs)), key=xs.__getitem__)
-        ys = [float(_as_number(group[i][name]) or 0.0) for i in order]  # every value was checked above
+        ys = [float(as_number(group[i][name]) or 0.0) for i in order]  # every value was checked above
         label = ", ".join(f"{a}={v}" for a, v in zip(others, key, strict=True)) or None
         ax.plot([xs[i] for i in order], ys, "o-", label=label)
     positive = [v for v in sweep.grid[x] if numeric_x and v > 0]
@@ -349,7 +349,7 @@ def main(args) -> int:
     stored = glued_scalars(sweep.notebook)  # labs are committed with outputs: check --plot before running
     if args.plot and stored and args.plot not in stored:
         raise SweepError(f"the lab glues no scalar {args.plot!r}; it glues: {', '.join(stored)}")
-    if args.plot in stored and _as_number(stored[args.plot]) is None:
+    if args.plot in stored and as_number(stored[args.plot]) is None:
         raise SweepError(f"--plot {args.plot!r} is not a number (the lab glues {stored[args.plot]!r})")
     try:
         outcome = run_sweep(sweep, progress=not args.no_progress)
@@ -410,7 +410,7 @@ def _unique(values: list[Any]) -> list[Any]:
     return kept
 
 
-def _as_number(value: Any) -> float | None:
+def as_number(value: Any) -> float | None:
     """A plottable number: glued ints and floats, and the strings labs format for prose ('1,025', '0.0001')."""
     if isinstance(value, str):
         value = _literal(value.replace(",", "").replace("_", ""), None)
