@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import matplotlib as mpl
 import matplotlib.pyplot as plt
+from cycler import cycler
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocator
@@ -16,7 +18,8 @@ PREDICTED = "#1f4e79"  # dark blue line: what kvlab computes
 MEASURED = "#d1495b"  # red markers: what the lab measured
 PALETTE = ["#1f4e79", "#d1495b", "#edae49", "#00798c", "#66a182", "#8d96a3", "#30638e", "#a05195"]
 
-STYLE = {
+# rcParams keys are checked by matplotlib at run time; its stubs type them as literals, which dicts can't carry.
+STYLE: dict[Any, Any] = {
     "figure.figsize": (7.0, 4.2),
     "figure.dpi": 100,
     "savefig.dpi": 150,
@@ -25,7 +28,7 @@ STYLE = {
     "grid.alpha": 0.3,
     "axes.spines.top": False,
     "axes.spines.right": False,
-    "axes.prop_cycle": mpl.cycler(color=PALETTE),
+    "axes.prop_cycle": cycler(color=PALETTE),
     "axes.titlesize": 12,
     "axes.labelsize": 11,
     "legend.frameon": False,
@@ -41,7 +44,7 @@ COLUMN_INCHES = 7.17
 MIN_RENDERED_PT = 9.5  # smallest tick / legend text a reader sees in the column
 # Tick labels and legends scale with the figure's width; titles and axis labels keep their size, so long
 # titles of side-by-side panels do not run into each other.
-_TEXT_KEYS = ("xtick.labelsize", "ytick.labelsize", "legend.fontsize")
+_TEXT_KEYS: tuple[Any, ...] = ("xtick.labelsize", "ytick.labelsize", "legend.fontsize")
 
 
 def text_scale(width_inches: float) -> float:
