@@ -1,0 +1,1015 @@
+"""Memory tiers beyond GPU memory: what each tier delivers, a decode loop that streams KV from one, and reload vs recompute.
+
+Three parts, one per question the chapter *Beyond HBM* (book/12_beyond_hbm) asks.
+
+**Bandwidth of each tier, measured** (`measure_tiers`). GPU memory (a device-to-device copy), the host link in
+both directions from pinned and from pageable host memory (GPU only), a RAM copy, and reads from local disk.
+Every figure is payload bytes over seconds, best of `repeat`, with every sample kept so that a lab can derive its
+tolerance from the spread. The disk is read with `O_DIRECT` into page-aligned (`mmap`-allocated) buffers, so the
+page cache cannot answer from RAM; where the filesystem refuses `O_DIRECT` (tmpfs), the file's pages are dropped
+with `posix_fadvise(DONTNEED)` first and the method says so. A buffered re-read of the same file is measured too:
+it is what the page cache makes a disk look like, and why a naive benchmark overstates it. Scratch files live in
+a private temporary directory and are removed even when a measurement fails.
+
+**Offloaded KV decode** (`OffloadedCache`). A transformers `Cache` whose chosen layers keep their K/V on a slower
+tier and stream the whole layer in at every step: `"host"` (pinned CPU memory, read over the host link; needs a
+GPU) or `"disk"` (a file per layer, written and read with `O_DIRECT` in whole aligned blocks; the newest,
+not yet full block stays in RAM, as block-based offload engines keep a partial block resident). The other layers
+are ordinary transformers layers. The copies are synchronous: nothing overlaps the transfer with compute, so
+the cost model (`offload_cost`) is the in-memory step plus, per offloaded layer, its bytes over each hop's
+measured bandwidth. transformers' own `DynamicCache(offloading=True)` (GPU only) prefetches the next layer on a
+side stream and overlaps; the lab compares against it where a GPU is present.
+
+**Recompute or reload** (`recompute_vs_reload`). Restoring a prompt's KV costs either its prefill FLOPs again or
+its KV bytes over a link. Reloading wins when the prefill's FLOPs per KV byte exceed the FLOPs the GPU could do
+while the link delivers one byte (`flops / link bytes per second`). GQA divides the KV bytes by the group size and
+leaves the FLOPs alone, so it pushes a model towards reload; MHA models sit closer to the break-even.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import shutil
+import tempfile
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    Cache,
+    DynamicCache,
+    DynamicLayer,
+    get_layer_types_and_kwargs,
+)
+
+from kvlab import hardware, roofline
+from kvlab.env import pick_device
+from kvlab.sizing import DType, kv_cache_bytes
+
+MiB = 2**20
+GB = 10**9
+ALIGN = 4096  # O_DIRECT wants offsets, sizes and buffer addresses aligned to the logical block size; 4 KiB covers it
+MAX_SCRATCH_BYTES = 2 * 2**30  # the most any measurement here writes to disk
+
+# ---------------------------------------------------------------------------------------------------------------
+# Links and storage, from datasheets and standards
+
+
+@dataclass(frozen=True)
+class Link:
+    """A path KV bytes can travel to the GPU, at its datasheet or standard rate (bytes/s, one direction)."""
+
+    name: str
+    bytes_per_s: float
+    source: str
+
+
+LINKS: dict[str, Link] = {
+    link.name: link
+    for link in [
+        Link(
+            "PCIe Gen4 x16",
+            32 * GB,
+            "PCI-SIG PCIe 4.0: 16 GT/s x16, ~31.5 GB/s per direction (kvlab.hardware)",
+        ),
+        Link(
+            "PCIe Gen5 x16", 64 * GB, "PCI-SIG PCIe 5.0: 32 GT/s x16, ~63 GB/s per direction (kvlab.hardware)"
+        ),
+        Link(
+            "NVMe Gen4 (Samsung 990 PRO)",
+            7.45 * GB,
+            "Samsung 990 PRO datasheet: sequential read up to 7,450 MB/s "
+            "(https://semiconductor.samsung.com/consumer-storage/internal-ssd/990-pro/)",
+        ),
+        Link(
+            "NVMe Gen5 (Crucial T705)",
+            14.5 * GB,
+            "Crucial T705 2 TB product page: sequential read up to 14,500 MB/s "
+            "(https://www.crucial.com/ssd/t705/ct2000t705ssd3)",
+        ),
+        Link("100 Gb Ethernet", 12.5 * GB, "IEEE 802.3ba: 100 Gb/s = 12.5 GB/s line rate"),
+        Link(
+            "400 Gb InfiniBand NDR",
+            50 * GB,
+            "NVIDIA ConnectX-7 datasheet: 400 Gb/s NDR = 50 GB/s per port "
+            "(https://www.nvidia.com/en-us/networking/ethernet/connectx-7/)",
+        ),
+    ]
+}
+
+
+def link(name: str | Link) -> Link:
+    """A `Link` by name (case-insensitive); an unknown name lists the known ones."""
+    if isinstance(name, Link):
+        return name
+    for key, value in LINKS.items():
+        if key.lower() == str(name).lower():
+            return value
+    raise ValueError(f"unknown link {name!r}; known: {', '.join(LINKS)}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bandwidth of each tier
+
+
+@dataclass(frozen=True)
+class TierBandwidth:
+    """One tier's measured bandwidth: payload bytes per second, every sample kept."""
+
+    tier: str
+    samples: tuple[float, ...]  # bytes/s of each repeat
+    size_bytes: int
+    method: str
+    spec_bytes_per_s: float | None = None
+    spec_source: str = ""
+    latency_samples: tuple[float, ...] = ()  # seconds of single smallest reads (disk only)
+
+    @property
+    def latency_s(self) -> float:
+        """Median seconds of one smallest (4 KiB) read: what every request pays before its bytes flow; 0 if unmeasured."""
+        return median(self.latency_samples) if self.latency_samples else 0.0
+
+    @property
+    def bytes_per_s(self) -> float:
+        """The best sample: the ceiling, as STREAM reports it."""
+        return max(self.samples)
+
+    @property
+    def median_bytes_per_s(self) -> float:
+        return median(self.samples)
+
+    @property
+    def spread(self) -> float:
+        """(best - worst) / median of the samples: how much this figure moved between repeats."""
+        return (max(self.samples) - min(self.samples)) / self.median_bytes_per_s
+
+    @property
+    def fraction_of_spec(self) -> float | None:
+        return None if self.spec_bytes_per_s is None else self.bytes_per_s / self.spec_bytes_per_s
+
+
+def _check_size(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_repeat(repeat: Any) -> int:
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat must be a positive integer, got {repeat!r}")
+    return repeat
+
+
+def _timed(fn: Callable[[], Any], sync: Callable[[], None], repeat: int, warmup: int = 1) -> list[float]:
+    for _ in range(warmup):
+        fn()
+        sync()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _nothing() -> None:
+    return None
+
+
+def ram_copy(size_bytes: int = 64 * MiB, repeat: int = 5) -> TierBandwidth:
+    """A host-memory copy of `size_bytes` (read once, written once): payload bytes per second."""
+    _check_size("size_bytes", size_bytes, MiB)
+    _check_repeat(repeat)
+    src = torch.ones(size_bytes // 4, dtype=torch.float32)  # ones, not empty: every page touched
+    dst = torch.empty_like(src)
+    times = _timed(lambda: dst.copy_(src), _nothing, repeat)
+    return TierBandwidth("RAM copy", tuple(src.nbytes / t for t in times), src.nbytes, "torch copy_ on CPU")
+
+
+def _cuda_sync(device: torch.device) -> Callable[[], None]:
+    return lambda: torch.cuda.synchronize(device)
+
+
+def _require_cuda(device: torch.device, what: str) -> None:
+    if device.type != "cuda":
+        raise ValueError(f"{what} needs a CUDA device, got {device}")
+
+
+def _spec_for(device: torch.device) -> hardware.Accelerator | None:
+    """The spec-table entry whose name appears in this GPU's name (e.g. 'NVIDIA H200' -> H200), if any."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).upper().replace(" ", "-")
+    matches = [spec for key, spec in hardware.SPECS.items() if key.upper().split("-")[0] in name]
+    return max(matches, key=lambda s: len(s.name), default=None) if matches else None
+
+
+def gpu_copy(
+    device: str | torch.device | None = None, size_bytes: int = 256 * MiB, repeat: int = 5
+) -> TierBandwidth:
+    """A device-to-device copy on the GPU; reported as bytes read + written per second, the datasheet's convention."""
+    device = pick_device(device)
+    _require_cuda(device, "gpu_copy")
+    _check_size("size_bytes", size_bytes, MiB)
+    src = torch.ones(size_bytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    times = _timed(lambda: dst.copy_(src), _cuda_sync(device), repeat)
+    spec = _spec_for(device)
+    return TierBandwidth(
+        "GPU memory (copy, read + write)",
+        tuple(2 * src.nbytes / t for t in times),
+        src.nbytes,
+        "torch copy_ on the GPU, 2 × bytes",
+        spec.bandwidth_bytes_per_s if spec else None,
+        f"{spec.name} datasheet ({spec.source})" if spec else "",
+    )
+
+
+def host_link(
+    device: str | torch.device | None = None,
+    size_bytes: int = 64 * MiB,
+    repeat: int = 5,
+    pinned: bool = True,
+    to_device: bool = True,
+) -> TierBandwidth:
+    """Host-to-device (or device-to-host) copy of `size_bytes`, from pinned or pageable host memory."""
+    device = pick_device(device)
+    _require_cuda(device, "host_link")
+    _check_size("size_bytes", size_bytes, MiB)
+    host = torch.ones(size_bytes // 4, dtype=torch.float32, pin_memory=pinned)
+    gpu = torch.ones_like(host, device=device)
+    if to_device:
+        times = _timed(lambda: gpu.copy_(host, non_blocking=pinned), _cuda_sync(device), repeat)
+    else:
+        times = _timed(lambda: host.copy_(gpu, non_blocking=pinned), _cuda_sync(device), repeat)
+    spec = _spec_for(device)
+    arrow = "host → device" if to_device else "device → host"
+    return TierBandwidth(
+        f"{arrow}, {'pinned' if pinned else 'pageable'}",
+        tuple(host.nbytes / t for t in times),
+        host.nbytes,
+        "torch copy_ between CPU and GPU",
+        spec.host_link_bytes_per_s if spec else None,
+        f"{spec.name}: PCIe per direction ({spec.source})" if spec else "",
+    )
+
+
+def _aligned_buffer(nbytes: int) -> mmap.mmap:
+    """Anonymous memory of `nbytes` rounded up to `ALIGN`: page-aligned, as O_DIRECT requires."""
+    return mmap.mmap(-1, max(ALIGN, -(-nbytes // ALIGN) * ALIGN))
+
+
+def _direct_flag() -> int:
+    return getattr(os, "O_DIRECT", 0)
+
+
+def _open_direct(path: str | os.PathLike[str], flags: int) -> tuple[int, bool]:
+    """Open with O_DIRECT where the filesystem allows it; else plainly. Returns (fd, direct)."""
+    if _direct_flag():
+        try:
+            return os.open(path, flags | _direct_flag()), True
+        except OSError:
+            pass
+    return os.open(path, flags), False
+
+
+def _drop_page_cache(fd: int) -> None:
+    if hasattr(os, "posix_fadvise"):
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+@contextmanager
+def scratch_dir(directory: str | os.PathLike[str] | None = None) -> Iterator[Path]:
+    """A private temporary directory under `directory` (default: the system temp dir), removed on exit."""
+    base = Path(directory) if directory is not None else Path(tempfile.gettempdir())
+    if not base.is_dir():
+        raise ValueError(f"directory {str(base)!r} does not exist")
+    path = Path(tempfile.mkdtemp(prefix="kvlab-offload-", dir=base))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _check_room(directory: Path, nbytes: int) -> None:
+    if nbytes > MAX_SCRATCH_BYTES:
+        raise ValueError(f"refusing to write {nbytes:,} bytes; the limit is {MAX_SCRATCH_BYTES:,}")
+    free = shutil.disk_usage(directory).free
+    if free < 2 * nbytes:
+        raise ValueError(f"{directory} has {free:,} bytes free; writing {nbytes:,} needs twice that")
+
+
+def _write_file(path: Path, nbytes: int, chunk_bytes: int) -> None:
+    # Random bytes, so no compressing or deduplicating layer can shortcut the write or the read.
+    block = os.urandom(min(chunk_bytes, nbytes))
+    with open(path, "wb") as f:
+        written = 0
+        while written < nbytes:
+            n = min(len(block), nbytes - written)
+            f.write(block[:n])
+            written += n
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_file(fd: int, buf: mmap.mmap) -> int:
+    total, offset = 0, 0
+    while True:
+        n = os.preadv(fd, [buf], offset)
+        total += n
+        offset += n
+        if n < len(buf):
+            return total
+
+
+def disk_read(
+    size_bytes: int = 256 * MiB,
+    directory: str | os.PathLike[str] | None = None,
+    repeat: int = 3,
+    chunk_bytes: int = 4 * MiB,
+    buffered: bool = False,
+) -> TierBandwidth:
+    """Sequential read of a `size_bytes` file from local disk, bypassing the page cache (O_DIRECT).
+
+    `buffered=True` reads the same file through the page cache after one warm-up read: the figure a naive
+    benchmark reports. The file is written once, in a private temporary directory, and removed afterwards.
+    """
+    _check_size("size_bytes", size_bytes, MiB)
+    _check_size("chunk_bytes", chunk_bytes, ALIGN)
+    _check_repeat(repeat)
+    if chunk_bytes % ALIGN:
+        raise ValueError(f"chunk_bytes must be a multiple of {ALIGN}, got {chunk_bytes}")
+    with scratch_dir(directory) as tmp:
+        _check_room(tmp, size_bytes)
+        path = tmp / "tier.bin"
+        _write_file(path, size_bytes, chunk_bytes)
+        buf = _aligned_buffer(chunk_bytes)
+        try:
+            if buffered:
+                fd, direct = os.open(path, os.O_RDONLY), False
+                method = "buffered read (page cache warm)"
+            else:
+                fd, direct = _open_direct(path, os.O_RDONLY)
+                method = (
+                    "O_DIRECT read" if direct else "read after posix_fadvise(DONTNEED) (no O_DIRECT here)"
+                )
+            try:
+                samples = []
+                # The first read warms the drive (and, when buffered, fills the page cache); it is not kept.
+                for i in range(repeat + 1):
+                    if not direct and not buffered:
+                        _drop_page_cache(fd)
+                    start = time.perf_counter()
+                    got = _read_file(fd, buf)
+                    seconds = time.perf_counter() - start
+                    if got != size_bytes:
+                        raise OSError(f"read {got} of {size_bytes} bytes from {path}")
+                    if i:
+                        samples.append(size_bytes / seconds)
+                latencies = [] if buffered else _small_read_seconds(fd, size_bytes, direct)
+            finally:
+                os.close(fd)
+        finally:
+            buf.close()
+    return TierBandwidth(
+        "local disk, page cache" if buffered else "local disk",
+        tuple(samples),
+        size_bytes,
+        f"{method}, {chunk_bytes // MiB} MiB chunks",
+        None if buffered else LINKS["NVMe Gen4 (Samsung 990 PRO)"].bytes_per_s,
+        "" if buffered else LINKS["NVMe Gen4 (Samsung 990 PRO)"].source,
+        tuple(latencies),
+    )
+
+
+def _small_read_seconds(fd: int, size_bytes: int, direct: bool, count: int = 32) -> list[float]:
+    """Seconds of `count` single 4 KiB reads spread over the file (each from the drive, not the page cache)."""
+    buf = _aligned_buffer(ALIGN)
+    try:
+        stride = max(ALIGN, size_bytes // count // ALIGN * ALIGN)
+        times = []
+        for i in range(count):
+            if not direct:
+                _drop_page_cache(fd)
+            start = time.perf_counter()
+            os.preadv(fd, [buf], i * stride % size_bytes)
+            times.append(time.perf_counter() - start)
+        return times
+    finally:
+        buf.close()
+
+
+def measure_tiers(
+    device: str | torch.device | None = None,
+    size_bytes: int = 64 * MiB,
+    disk_bytes: int = 256 * MiB,
+    directory: str | os.PathLike[str] | None = None,
+    repeat: int = 5,
+) -> dict[str, TierBandwidth]:
+    """Every tier this machine has, by name: GPU memory and the host link (GPU only), RAM, disk and page cache."""
+    device = pick_device(device)
+    tiers: list[TierBandwidth] = []
+    if device.type == "cuda":
+        tiers.append(gpu_copy(device, max(size_bytes, 256 * MiB), repeat))
+        for pinned in (True, False):
+            for to_device in (True, False):
+                tiers.append(host_link(device, size_bytes, repeat, pinned=pinned, to_device=to_device))
+    tiers.append(ram_copy(size_bytes, repeat))
+    tiers.append(disk_read(disk_bytes, directory, repeat=max(2, repeat // 2)))
+    tiers.append(disk_read(disk_bytes, directory, repeat=max(2, repeat // 2), buffered=True))
+    return {t.tier: t for t in tiers}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cache layers that live on a slower tier
+
+
+def _record_bytes(batch: int, heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one token's K and V in one layer, for the whole batch."""
+    return 2 * batch * heads * head_dim * dtype.itemsize
+
+
+class _TierLayer(DynamicLayer):
+    """A full-attention layer whose K/V live off the device; `update` returns them on the device, whole."""
+
+    tier = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.length = 0
+        self.bytes_streamed = 0  # bytes read back from the tier, summed over updates
+        self._shape: tuple[int, int, int] = (0, 0, 0)  # batch, heads, head_dim
+        self._dtype = torch.float32
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        batch, heads, _, head_dim = key_states.shape
+        self._shape = (batch, heads, head_dim)
+        self._dtype = key_states.dtype
+        self.is_initialized = True
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def stored_bytes(self) -> int:
+        """Bytes of K and V this layer holds on its tier."""
+        batch, heads, head_dim = self._shape
+        return self.length * _record_bytes(batch, heads, head_dim, self._dtype) if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support crop")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support changing the batch")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support changing the batch")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support beam search")
+
+
+class HostLayer(_TierLayer):
+    """K/V in pinned host memory; every update copies the new tokens out and the whole layer back in."""
+
+    tier = "host"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._keys_host: torch.Tensor | None = None
+        self._values_host: torch.Tensor | None = None
+
+    def _grow(self, needed: int) -> None:
+        capacity = 0 if self._keys_host is None else self._keys_host.shape[2]
+        if needed <= capacity:
+            return
+        batch, heads, head_dim = self._shape
+        new_capacity = max(needed, 2 * capacity, 64)
+        pin = torch.cuda.is_available()
+        keys = torch.empty(batch, heads, new_capacity, head_dim, dtype=self._dtype, pin_memory=pin)
+        values = torch.empty_like(keys, pin_memory=pin)
+        if self._keys_host is not None and self._values_host is not None:
+            keys[:, :, : self.length] = self._keys_host[:, :, : self.length]
+            values[:, :, : self.length] = self._values_host[:, :, : self.length]
+        self._keys_host, self._values_host = keys, values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new = key_states.shape[2]
+        self._grow(self.length + new)
+        assert self._keys_host is not None and self._values_host is not None
+        self._keys_host[:, :, self.length : self.length + new].copy_(key_states)
+        self._values_host[:, :, self.length : self.length + new].copy_(value_states)
+        self.length += new
+        keys = self._keys_host[:, :, : self.length].to(self.device)
+        values = self._values_host[:, :, : self.length].to(self.device)
+        self.bytes_streamed += keys.nbytes + values.nbytes
+        return keys, values
+
+
+class DiskLayer(_TierLayer):
+    """K/V in a file on local disk, in whole aligned blocks written and read with O_DIRECT.
+
+    Tokens are stored token-major (each token's K then V for the whole batch). Full blocks go to the file; the
+    newest block, until it fills, stays in RAM. Every update reads every full block back (O_DIRECT, into
+    page-aligned memory), appends the RAM block, and returns K and V reshaped to (batch, heads, tokens, dim) on
+    the device.
+    """
+
+    tier = "disk"
+
+    def __init__(self, path: str | os.PathLike[str], block_bytes: int = 64 * 1024) -> None:
+        super().__init__()
+        if block_bytes < ALIGN or block_bytes % ALIGN:
+            raise ValueError(f"block_bytes must be a positive multiple of {ALIGN}, got {block_bytes}")
+        self.path = Path(path)
+        self._min_block_bytes = block_bytes
+        self.block_tokens = 0
+        self.disk_tokens = 0  # tokens in full blocks on disk
+        # (tokens, 2, batch, heads, dim) on CPU, fewer than block_tokens of them
+        self._tail: torch.Tensor | None = None
+        self._read_buf: mmap.mmap | None = None
+        self._fd = -1
+        self.direct = False
+        self.bytes_read_from_disk = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        record = _record_bytes(*self._shape, self._dtype)
+        lcm = record * ALIGN // math.gcd(record, ALIGN)  # the smallest whole number of tokens that is aligned
+        self.block_tokens = (lcm // record) * max(1, -(-self._min_block_bytes // lcm))
+        self._fd, self.direct = _open_direct(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        batch, heads, head_dim = self._shape
+        self._tail = torch.empty(0, 2, batch, heads, head_dim, dtype=self._dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_tokens * _record_bytes(*self._shape, self._dtype)
+
+    def _write_blocks(self, records: torch.Tensor) -> None:
+        data = records.contiguous().view(torch.uint8).numpy().tobytes()
+        buf = _aligned_buffer(len(data))
+        try:
+            buf[: len(data)] = data
+            written = os.pwritev(
+                self._fd, [memoryview(buf)[: len(data)]], self.disk_tokens * (len(data) // len(records))
+            )
+        finally:
+            buf.close()
+        if written != len(data):
+            raise OSError(f"wrote {written} of {len(data)} bytes to {self.path}")
+        if not self.direct:
+            _drop_page_cache(self._fd)
+        self.disk_tokens += len(records)
+
+    def _read_records(self) -> torch.Tensor:
+        """Every token's records, (tokens, 2, batch, heads, dim): the full blocks read from disk into aligned
+        memory, the RAM block copied in after them (at most one block; no other copy)."""
+        assert self._tail is not None
+        record = _record_bytes(*self._shape, self._dtype)
+        disk_bytes = self.disk_tokens * record
+        nbytes = disk_bytes + len(self._tail) * record
+        if self._read_buf is None or len(self._read_buf) < nbytes:
+            if self._read_buf is not None:
+                self._read_buf.close()
+            self._read_buf = _aligned_buffer(2 * nbytes)
+        if disk_bytes:
+            view = memoryview(self._read_buf)[:disk_bytes]
+            got = os.preadv(self._fd, [view], 0)
+            view.release()
+            if got != disk_bytes:
+                raise OSError(f"read {got} of {disk_bytes} bytes from {self.path}")
+            self.bytes_read_from_disk += disk_bytes
+        raw = torch.frombuffer(self._read_buf, dtype=torch.uint8, count=nbytes)
+        records = raw.view(self._dtype).view(self.disk_tokens + len(self._tail), 2, *self._shape)
+        records[self.disk_tokens :] = self._tail
+        return records
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        assert self._tail is not None
+        new = torch.stack([key_states, value_states]).permute(3, 0, 1, 2, 4).to("cpu")  # (t, 2, b, h, d)
+        tail = torch.cat([self._tail, new])
+        full = len(tail) // self.block_tokens * self.block_tokens
+        if full:
+            self._write_blocks(tail[:full])
+        self._tail = tail[full:].clone()
+        self.length += key_states.shape[2]
+        records = self._read_records()
+        # One reordering copy, to (2, batch, heads, tokens, dim); on a GPU it runs there, after the upload.
+        kv = records.to(self.device).permute(1, 2, 3, 0, 4).contiguous()
+        del records
+        self.bytes_streamed += kv.nbytes
+        return kv[0], kv[1]
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._read_buf is not None:
+            self._read_buf.close()
+            self._read_buf = None
+
+
+TIERS = ("host", "disk")
+
+
+def _cleanup(layers: list[Any], directory: str | None) -> None:
+    for layer in layers:
+        if isinstance(layer, DiskLayer):
+            layer.close()
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+class OffloadedCache(Cache):
+    """A transformers `Cache` that keeps the K/V of `offload_layers` on `tier` and streams them in every step.
+
+    `tier="host"` keeps them in pinned CPU memory (the model must run on a GPU); `tier="disk"` in one file per
+    layer under a private temporary directory inside `directory`, removed by `close()` (also on garbage
+    collection, and at the end of a `with` block). Layers not offloaded are the transformers layers
+    `DynamicCache(config=...)` would build. Only full-attention layers can be offloaded.
+    """
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        offload_layers: Iterable[int] | str = "all",
+        tier: str = "disk",
+        directory: str | os.PathLike[str] | None = None,
+        block_bytes: int = 64 * 1024,
+    ) -> None:
+        if tier not in TIERS:
+            raise ValueError(f"unknown tier {tier!r}; choose one of {', '.join(TIERS)}")
+        if tier == "host" and not torch.cuda.is_available():
+            raise ValueError(
+                "tier 'host' streams over the host link and needs a CUDA device; on CPU use 'disk'"
+            )
+        text = config.get_text_config(decoder=True)
+        layer_types, kwargs = get_layer_types_and_kwargs(text)
+        count = len(layer_types)
+        if isinstance(offload_layers, str):
+            if offload_layers != "all":
+                raise ValueError(f"offload_layers must be 'all' or layer indices, got {offload_layers!r}")
+            chosen = set(range(count))
+        else:
+            chosen = set(_check_layers(offload_layers, count))
+        for index in sorted(chosen):
+            if layer_types[index] != "full_attention":
+                raise ValueError(
+                    f"layer {index} is {layer_types[index]!r}; only full_attention layers can be offloaded"
+                )
+        self.tier = tier
+        self.offload_layers = sorted(chosen)
+        self.directory: str | None = None
+        if tier == "disk" and chosen:
+            base = Path(directory) if directory is not None else Path(tempfile.gettempdir())
+            if not base.is_dir():
+                raise ValueError(f"directory {str(base)!r} does not exist")
+            self.directory = tempfile.mkdtemp(prefix="kvlab-kv-", dir=base)
+        layers: list[Any] = []
+        for index, (kind, kw) in enumerate(zip(layer_types, kwargs, strict=True)):
+            if index not in chosen:
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
+            elif tier == "host":
+                layers.append(HostLayer())
+            else:
+                assert self.directory is not None
+                layers.append(DiskLayer(Path(self.directory) / f"layer{index}.kv", block_bytes))
+        super().__init__(layers=layers)
+        self._finalizer = weakref.finalize(self, _cleanup, layers, self.directory)
+
+    def close(self) -> None:
+        """Close the layer files and remove the directory holding them."""
+        self._finalizer()
+
+    def __enter__(self) -> OffloadedCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def offloaded_bytes(self) -> int:
+        """Bytes of K/V held on the slower tier."""
+        return sum(layer.stored_bytes() for layer in self.layers if isinstance(layer, _TierLayer))
+
+    def bytes_streamed(self) -> int:
+        """Bytes brought back from the tier so far, all updates of all offloaded layers."""
+        return sum(layer.bytes_streamed for layer in self.layers if isinstance(layer, _TierLayer))
+
+
+def _check_layers(layers: Iterable[int], count: int) -> list[int]:
+    out = []
+    for index in layers:
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+            raise ValueError(f"offload layer {index!r} is not a layer index in 0..{count - 1}")
+        out.append(index)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The decode loop and its cost model
+
+
+@dataclass
+class DecodeRun:
+    tokens: list[list[int]]  # generated ids per sequence
+    step_s: list[float]  # seconds of each decode step (not the prefill)
+    prefill_s: float
+    logits: torch.Tensor  # (batch, steps, vocab), the last position's logits at each step
+
+    @property
+    def median_step_s(self) -> float:
+        return median(self.step_s)
+
+
+@torch.inference_mode()
+def decode(model: Any, input_ids: torch.Tensor, new_tokens: int, cache: Cache | None = None) -> DecodeRun:
+    """Greedy decoding of `new_tokens` after a prefill of `input_ids`, one timed step at a time.
+
+    `cache` defaults to `DynamicCache(config=model.config)` (everything in device memory); pass an
+    `OffloadedCache` to stream some layers from a slower tier.
+    """
+    return decode_lockstep(model, input_ids, new_tokens, [cache])[0]
+
+
+@torch.inference_mode()
+def decode_lockstep(
+    model: Any, input_ids: torch.Tensor, new_tokens: int, caches: list[Cache | None]
+) -> list[DecodeRun]:
+    """Greedy decoding of the same prompt with each of `caches`, their steps interleaved.
+
+    Step i of every cache runs before step i + 1 of any, so a slow spell of the machine (another process, a
+    frequency change) lands on all of them alike and their step times stay comparable. `None` stands for
+    `DynamicCache(config=model.config)`. Each cache decodes from its own outputs.
+    """
+    _check_size("new_tokens", new_tokens, 1)
+    if not caches:
+        raise ValueError("decode_lockstep needs at least one cache")
+    device = model.device
+    sync = _cuda_sync(device) if device.type == "cuda" else _nothing
+    ids = input_ids.to(device)
+    states: list[dict[str, Any]] = []
+    for cache in caches:
+        cache = DynamicCache(config=model.config) if cache is None else cache
+        start = time.perf_counter()
+        out = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+        sync()
+        last = out.logits[:, -1]
+        states.append(
+            dict(cache=cache, prefill=time.perf_counter() - start, logits=[last.float().cpu()],
+                 tokens=[last.argmax(-1, keepdim=True)], steps=[])
+        )  # fmt: skip
+    for _ in range(new_tokens - 1):
+        for state in states:
+            start = time.perf_counter()
+            out = model(state["tokens"][-1], cache=state["cache"], use_cache=True)
+            sync()
+            state["steps"].append(time.perf_counter() - start)
+            state["logits"].append(out.logits[:, -1].float().cpu())
+            state["tokens"].append(out.logits[:, -1].argmax(-1, keepdim=True))
+    return [
+        DecodeRun(
+            torch.cat(state["tokens"], dim=1).tolist(),
+            state["steps"],
+            state["prefill"],
+            torch.stack(state["logits"], dim=1),
+        )
+        for state in states
+    ]
+
+
+_HOPS = {"disk": "disk read", "ram": "reorder (RAM copy)", "h2d": "host → device"}
+
+
+@dataclass(frozen=True)
+class OffloadCost:
+    """Predicted seconds a decode step adds by streaming offloaded layers: one term per hop."""
+
+    bytes_per_step: int  # K/V bytes of the offloaded layers at this context
+    disk_bytes_per_step: int  # of which read from disk (whole blocks)
+    terms: dict[str, float] = field(default_factory=dict)  # hop -> seconds
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.terms.values())
+
+
+def offload_cost(
+    config: PretrainedConfig,
+    context: int,
+    offloaded_layers: int,
+    tier: str,
+    bandwidths: dict[str, float],
+    batch_size: int = 1,
+    dtype: DType = "fp32",
+    block_tokens: int | None = None,
+    disk_latency_s: float = 0.0,
+) -> OffloadCost:
+    """Seconds per decode step that streaming `offloaded_layers` layers' K/V at `context` tokens adds.
+
+    `bandwidths` maps each hop the bytes take to its measured bytes/s. `tier="disk"` needs `"disk"` (an O_DIRECT
+    read; only whole blocks of `block_tokens` come from disk, the partial block is in RAM already), and on CPU
+    `"ram"` (the one copy that reorders token-major records into (batch, heads, tokens, dim): a RAM copy's
+    payload rate), on a GPU `"h2d"` (the upload from pageable memory; the reorder then runs on the GPU).
+    `tier="host"` needs `"h2d"` (from pinned memory). Every hop given is charged; all full-attention layers are
+    assumed the same size, as in the registry's models and the tiny ones. `disk_latency_s` is charged once per
+    offloaded layer that has a block on disk (one read request each).
+    """
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}; choose one of {', '.join(TIERS)}")
+    _check_size("context", context, 1)
+    _check_size("offloaded_layers", offloaded_layers, 0)
+    text = config.get_text_config(decoder=True)
+    if offloaded_layers > text.num_hidden_layers:
+        raise ValueError(f"offloaded_layers={offloaded_layers} exceeds the {text.num_hidden_layers} layers")
+    for name, value in bandwidths.items():
+        if name not in _HOPS:
+            raise ValueError(f"unknown hop {name!r}; known: {', '.join(_HOPS)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"bandwidth {name!r} must be a positive number of bytes/s, got {value!r}")
+    required = "disk" if tier == "disk" else "h2d"
+    if required not in bandwidths:
+        raise ValueError(
+            f"tier {tier!r} needs a {required!r} bandwidth; got {', '.join(bandwidths) or 'none'}"
+        )
+    if block_tokens is not None:
+        _check_size("block_tokens", block_tokens, 1)
+    if isinstance(disk_latency_s, bool) or not isinstance(disk_latency_s, (int, float)) or disk_latency_s < 0:
+        raise ValueError(f"disk_latency_s must be a non-negative number of seconds, got {disk_latency_s!r}")
+    per_layer = kv_cache_bytes(config, context, batch_size, dtype) // text.num_hidden_layers
+    total = per_layer * offloaded_layers
+    disk_tokens = context if block_tokens is None else context // block_tokens * block_tokens
+    disk_bytes = total // context * disk_tokens if tier == "disk" else 0
+    terms: dict[str, float] = {}
+    for hop, rate in bandwidths.items():
+        if hop == "disk" and tier == "disk":
+            requests = offloaded_layers if disk_bytes else 0
+            terms[_HOPS[hop]] = requests * disk_latency_s + disk_bytes / rate
+        elif hop != "disk":
+            terms[_HOPS[hop]] = total / rate
+    return OffloadCost(total, disk_bytes, terms)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Recompute or reload
+
+
+@dataclass(frozen=True)
+class ReloadEstimate:
+    """Restoring one prompt's KV: recomputing its prefill on `gpu`, or reading its KV over `link`."""
+
+    model: str
+    link: str
+    prompt_len: int
+    kv_bytes: int
+    prefill_flops: float
+    recompute_s: float  # roofline prefill time: max(FLOPs / FLOP/s, bytes / bandwidth)
+    reload_s: float  # KV bytes / link bytes per second
+
+    @property
+    def flops_per_kv_byte(self) -> float:
+        return self.prefill_flops / self.kv_bytes
+
+    @property
+    def speedup(self) -> float:
+        """recompute / reload: above 1, reloading is faster."""
+        return self.recompute_s / self.reload_s
+
+
+def break_even_flops_per_byte(gpu: hardware.Ceilings | str, over: str | Link | float) -> float:
+    """FLOPs the GPU does while `over` delivers one byte: reload wins for prompts above this many FLOPs per KV byte."""
+    return _hw(gpu).flops / _link_rate(over)
+
+
+def _hw(gpu: hardware.Ceilings | str) -> hardware.Ceilings:
+    return hardware.get(gpu) if isinstance(gpu, str) else gpu
+
+
+def _link_rate(over: str | Link | float) -> float:
+    if isinstance(over, (int, float)) and not isinstance(over, bool):
+        if not over > 0:
+            raise ValueError(f"link bandwidth must be positive, got {over!r}")
+        return float(over)
+    return link(over).bytes_per_s  # type: ignore[arg-type]
+
+
+def prefill_flops_per_kv_byte(
+    config: PretrainedConfig | str, prompt_len: int, dtype: DType = None, kv_dtype: DType = None
+) -> float:
+    """Prefill FLOPs of a `prompt_len` prompt over the KV bytes it leaves in the cache (batch 1)."""
+    step = roofline.prefill(config, hardware.get("H100-SXM"), 1, prompt_len, dtype, kv_dtype)
+    return step.flops / step.kv_bytes
+
+
+def recompute_vs_reload(
+    config: PretrainedConfig | str,
+    gpu: hardware.Ceilings | str,
+    over: str | Link | float,
+    prompt_len: int,
+    dtype: DType = None,
+    kv_dtype: DType = None,
+) -> ReloadEstimate:
+    """Time to restore a `prompt_len` prompt's KV by prefill (roofline on `gpu`) or by reading it over `over`."""
+    hw = _hw(gpu)
+    rate = _link_rate(over)
+    step = roofline.prefill(config, hw, 1, prompt_len, dtype, kv_dtype)
+    name = config if isinstance(config, str) else getattr(config, "_name_or_path", "") or config.model_type
+    link_name = (
+        over.name if isinstance(over, Link) else (str(over) if isinstance(over, str) else f"{rate:.3g} B/s")
+    )
+    return ReloadEstimate(
+        model=name,
+        link=link_name,
+        prompt_len=prompt_len,
+        kv_bytes=int(step.kv_bytes),
+        prefill_flops=step.flops,
+        recompute_s=step.time_s,
+        reload_s=step.kv_bytes / rate,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Saving a prompt's KV to disk and reading it back
+
+
+@dataclass(frozen=True)
+class SavedKV:
+    path: Path
+    shapes: tuple[tuple[int, ...], ...]  # per layer: (batch, heads, tokens, dim)
+    dtype: torch.dtype
+    nbytes: int  # K and V payload bytes, all layers
+    file_bytes: int  # on disk, each layer padded to ALIGN
+
+
+def save_kv(cache: Cache, path: str | os.PathLike[str]) -> SavedKV:
+    """Write every layer's K and V to one file, each layer padded to an aligned offset, with O_DIRECT."""
+    layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for layer in cache.layers:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) or keys.numel() == 0:
+            raise ValueError("save_kv needs a cache whose every layer holds K/V (run a prefill first)")
+        layers.append((keys, values))
+    if not layers:
+        raise ValueError("save_kv needs a cache whose every layer holds K/V (run a prefill first)")
+    dtype = layers[0][0].dtype
+    chunks, shapes, payload = [], [], 0
+    for keys, values in layers:
+        data = torch.stack([keys, values]).contiguous().cpu().view(torch.uint8).numpy().tobytes()
+        payload += len(data)
+        chunks.append(data + bytes(-len(data) % ALIGN))
+        shapes.append(tuple(keys.shape))
+    blob = b"".join(chunks)
+    target = Path(path)
+    fd, direct = _open_direct(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    buf = _aligned_buffer(len(blob))
+    try:
+        buf[: len(blob)] = blob
+        written = os.pwritev(fd, [memoryview(buf)[: len(blob)]], 0)
+        os.fsync(fd)
+        if not direct:
+            _drop_page_cache(fd)
+    finally:
+        buf.close()
+        os.close(fd)
+    if written != len(blob):
+        raise OSError(f"wrote {written} of {len(blob)} bytes to {target}")
+    return SavedKV(target, tuple(shapes), dtype, payload, len(blob))
+
+
+def load_kv(saved: SavedKV, device: str | torch.device | None = None) -> DynamicCache:
+    """Read a `save_kv` file back (O_DIRECT) into a `DynamicCache` on `device`."""
+    fd, direct = _open_direct(saved.path, os.O_RDONLY)
+    buf = _aligned_buffer(saved.file_bytes)
+    try:
+        if not direct:
+            _drop_page_cache(fd)
+        got = os.preadv(fd, [buf], 0)
+        if got != saved.file_bytes:
+            raise OSError(f"read {got} of {saved.file_bytes} bytes from {saved.path}")
+        raw = torch.frombuffer(buf, dtype=torch.uint8, count=saved.file_bytes).clone()
+    finally:
+        os.close(fd)
+        buf.close()
+    target = pick_device(device)
+    data, offset = [], 0
+    for shape in saved.shapes:
+        n = 2 * math.prod(shape) * saved.dtype.itemsize
+        kv = raw[offset : offset + n].view(saved.dtype).view(2, *shape).to(target)
+        data.append((kv[0], kv[1]))
+        offset += n + (-n % ALIGN)
+    return DynamicCache(data)
