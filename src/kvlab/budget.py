@@ -164,8 +164,12 @@ def activation_workspace_bytes(
     num_tokens: int = MAX_NUM_BATCHED_TOKENS,
     num_seqs: int = MAX_NUM_SEQS,
     dtype: str = "bf16",
+    tp: int = 1,
 ) -> int:
     """Estimated peak activation bytes of one forward over `num_tokens` tokens with fused attention.
+
+    With `tp` tensor-parallel ranks, one rank's: the MLP width and the q/k/v heads are split `tp` ways (k/v
+    never below one head), the residual stream is whole on every rank.
 
     Per token, the largest live set is the MLP's: the residual stream and its normed copy (2 × hidden), and
     the gate and up projections, the activated gate and the product (4 × MLP width, as an unfused forward holds
@@ -186,9 +190,14 @@ def activation_workspace_bytes(
     hidden = text.hidden_size
     width = getattr(text, "moe_intermediate_size", None) or text.intermediate_size
     experts = getattr(text, "num_experts_per_tok", None) or 1
-    mlp = 2 * hidden + 4 * width * experts
-    q = spec.num_attention_heads * spec.head_dim
-    kv = max(layer.expanded_elements_per_token for layer in spec.layers)
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a positive integer, got {tp!r}")
+    mlp = 2 * hidden + 4 * -(-width * experts // tp)
+    q = spec.num_attention_heads * spec.head_dim // tp
+    kv = max(
+        layer.expanded_elements_per_token * max(1, layer.cache_heads // tp) // max(1, layer.cache_heads)
+        for layer in spec.layers
+    )
     attention = 3 * hidden + q + kv
     per_token = (max(mlp, attention) + 2 * spec.head_dim) * dtype_bytes(dtype) + 8  # + int64 position id
     logits = min(num_seqs, num_tokens) * text.vocab_size * 4
@@ -207,13 +216,19 @@ def memory_budget(
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
     max_num_seqs: int = MAX_NUM_SEQS,
     block_size: int = BLOCK_SIZE,
+    tp: int = 1,
+    pp: int = 1,
 ) -> MemoryBudget:
     """The budget of serving `config` on `gpu` (a spec-table name or entry) with vLLM's defaults.
 
     Pass `runtime_bytes` measured by `kvlab.measure.cuda_context_bytes` and `activation_bytes` measured by a
-    profiled forward to replace the defaults.
+    profiled forward to replace the defaults. With `tp` tensor-parallel ranks and `pp` pipeline stages it is
+    the budget of ONE GPU of the largest stage: its weights (`kvlab.sizing.weight_bytes_per_gpu`), its KV bytes
+    per token (`kvlab.sizing.kv_bytes_per_token(..., tp, pp)`, heads copied past the KV-head count) and an
+    activation estimate whose head and MLP widths are split `tp` ways. The block and sequence counts are then
+    the whole deployment's: every GPU of a stage holds the same blocks.
     """
-    from kvlab.sizing import kv_bytes_per_token, weight_bytes
+    from kvlab.sizing import kv_bytes_per_token, weight_bytes_per_gpu
 
     spec = hardware.get(gpu) if isinstance(gpu, str) else gpu
     config = resolve(config)
@@ -222,14 +237,14 @@ def memory_budget(
         capacity_bytes=spec.memory_bytes,
         gpu_memory_utilization=gpu_memory_utilization,
         runtime_bytes=CUDA_CONTEXT_BYTES if runtime_bytes is None else runtime_bytes,
-        weight_bytes=weight_bytes(config, weight_dtype),
+        weight_bytes=weight_bytes_per_gpu(config, weight_dtype, tp=tp, pp=pp),
         activation_bytes=(
-            activation_workspace_bytes(config, max_num_batched_tokens, max_num_seqs, act_dtype)
+            activation_workspace_bytes(config, max_num_batched_tokens, max_num_seqs, act_dtype, tp=tp)
             if activation_bytes is None
             else activation_bytes
         ),
         block_size=block_size,
-        kv_bytes_per_token=kv_bytes_per_token(config, kv_dtype),
+        kv_bytes_per_token=kv_bytes_per_token(config, kv_dtype, tp=tp, pp=pp),
         runtime_source=(
             f"default {format_bytes(CUDA_CONTEXT_BYTES)} (pytorch/pytorch#34323)"
             if runtime_bytes is None

@@ -1,4 +1,5 @@
-"""`kvlab size MODEL --context 32k --batch 16 --kv-dtype fp8 --gpu H100-SXM`: the sizing chapter in one line."""
+"""`kvlab size MODEL --context 32k --batch 16 --kv-dtype fp8 --gpu H100-SXM [--tp 8 --pp 2]`: the sizing chapter
+in one line; with `--tp`/`--pp`, what ONE GPU holds (chapter *Many GPUs*)."""
 
 from __future__ import annotations
 
@@ -53,19 +54,37 @@ def size_report(
     gpu_memory_utilization: float = budget.GPU_MEMORY_UTILIZATION,
     block_size: int = budget.BLOCK_SIZE,
     max_num_batched_tokens: int = budget.MAX_NUM_BATCHED_TOKENS,
+    tp: int | None = None,
+    pp: int | None = None,
 ) -> str:
-    """The text `kvlab size` prints; with `gpu`, the memory budget line by line (`kvlab.budget`)."""
+    """The text `kvlab size` prints; with `gpu`, the memory budget line by line (`kvlab.budget`).
+
+    With `tp` and/or `pp` (a parallel plan) every figure is what ONE GPU of the largest stage holds, and a plan
+    whose budget does not fit the GPU is an error naming the smallest tensor-parallel size that would.
+    """
     config = arch.get(model)
     spec = arch.describe(config)
-    per_token = sizing.kv_bytes_per_token(config, kv_dtype)
-    per_seq = sizing.kv_cache_bytes(config, context, 1, kv_dtype)
+    parallel = tp is not None or pp is not None
+    tp, pp = tp or 1, pp or 1
+    sizing.check_parallel(spec, tp, pp)
+    per_token = sizing.kv_bytes_per_token(config, kv_dtype, tp=tp, pp=pp)
+    per_seq = sizing.kv_cache_bytes(config, context, 1, kv_dtype, tp=tp, pp=pp)
     total = per_seq * batch
     weight_precision: str | int = int(weight_dtype) if weight_dtype.isdigit() else weight_dtype
-    weights = sizing.weight_bytes(config, weight_precision)
+    weights = sizing.weight_bytes_per_gpu(config, weight_precision, tp=tp, pp=pp)
     kinds = ", ".join(f"{n} {k}" for k, n in spec.kinds.items())
     lines = [
         f"model        {model} ({spec.attention_type}, {spec.num_layers} layers: {kinds}; "
         f"kv_heads={spec.kv_heads}, head_dim={spec.head_dim})",
+    ]
+    if parallel:
+        copies = max(layer.replicas(tp) for layer in spec.layers)
+        lines.append(
+            f"per GPU      tp={tp}, pp={pp}: {tp * pp} GPUs; each keeps "
+            f"{max(layer.kv_heads_per_rank(tp) for layer in spec.layers)} KV head(s) per layer"
+            + (f", every cached head copied on {copies} GPUs" if copies > 1 else "")
+        )
+    lines += [
         f"KV per token {format_bytes(per_token)} ({per_token:,} B, {kv_dtype})",
         f"KV per seq   {format_bytes(per_seq)} at {format_tokens(context)} tokens",
         f"KV total     {format_bytes(total)} for {batch} sequences",
@@ -81,12 +100,55 @@ def size_report(
             gpu_memory_utilization=gpu_memory_utilization,
             block_size=block_size,
             max_num_batched_tokens=max_num_batched_tokens,
+            tp=tp,
+            pp=pp,
         )
+        if parallel and not plan.fits:
+            raise ValueError(
+                _no_fit(config, model, gpu, tp, pp, weight_precision, gpu_memory_utilization, plan)
+            )
         seqs = plan.max_sequences(context) if plan.fits else 0
         verdict = "fits" if seqs >= batch else "does NOT fit"
         lines += [f"on {hardware.get(gpu).name}: the memory budget", *plan.lines(context)]
         lines.append(f"  {batch} sequences of {format_tokens(context)} tokens: {verdict} (room for {seqs})")
     return "\n".join(lines)
+
+
+def _no_fit(
+    config: object,
+    model: str,
+    gpu: str,
+    tp: int,
+    pp: int,
+    weight_precision: str | int,
+    gpu_memory_utilization: float,
+    plan: budget.MemoryBudget,
+) -> str:
+    spec = arch.describe(config)  # type: ignore[arg-type]
+    hint = "no tensor-parallel size up to 64 fits"
+    for candidate in (2**k for k in range(7)):
+        if candidate <= tp:
+            continue
+        try:
+            sizing.check_parallel(spec, candidate, pp)
+        except ValueError:
+            continue
+        other = budget.memory_budget(
+            config,  # type: ignore[arg-type]
+            gpu,
+            weight_dtype=weight_precision,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tp=candidate,
+            pp=pp,
+        )
+        if other.fits:
+            hint = f"the smallest tensor-parallel size that fits is --tp {candidate}"
+            break
+    return (
+        f"{model} does not fit one {hardware.get(gpu).name} at tp={tp}, pp={pp}: "
+        f"{format_bytes(plan.weight_bytes)} of weights per GPU, "
+        f"{format_bytes(max(plan.kv_headroom_bytes + plan.weight_bytes, 0))} left for weights and cache; {hint}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         default=budget.MAX_NUM_BATCHED_TOKENS,
         help="largest token batch of a step (sizes the activation workspace)",
     )
+    size.add_argument(
+        "--tp", type=_positive_int, help="tensor-parallel GPUs: print what one GPU holds (vLLM's sharding)"
+    )
+    size.add_argument("--pp", type=_positive_int, help="pipeline stages: print the largest stage's GPU")
     sub.add_parser("models", help="list the offline registry")
     sweep.add_arguments(sub.add_parser("sweep", help="run a lab over a parameter grid; glued scalars to CSV"))
     args = parser.parse_args(argv)
@@ -141,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                     args.gpu_memory_utilization,
                     args.block_size,
                     args.max_num_batched_tokens,
+                    args.tp,
+                    args.pp,
                 )
             )
     except (arch.UnknownModelError, arch.UnsupportedConfigError, ValueError) as err:

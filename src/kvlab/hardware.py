@@ -65,7 +65,10 @@ class Accelerator:
     bandwidth_bytes_per_s: float  # HBM/GDDR bandwidth
     flops: float  # dense tensor-core peak in `flops_dtype`, FLOP/s
     host_link_bytes_per_s: float  # host interface (PCIe) per direction
-    interconnect_bytes_per_s: float | None  # GPU-to-GPU (NVLink) total, None where the part has none
+    # GPU-to-GPU (NVLink) total of both directions, as datasheets quote it (H100 SXM: 18 NVLink 4 links,
+    # 900 GB/s total, i.e. 450 GB/s each way: NVIDIA H100 Tensor Core GPU Architecture whitepaper, "NVLink");
+    # None where the part has none. `gpu_link_bytes_per_s` gives one direction.
+    interconnect_bytes_per_s: float | None
     source: str  # datasheet
     memory_source: str = _SMI
     flops_dtype: str = "bf16"
@@ -165,6 +168,14 @@ _SPECS = [
     ),
 ]
 SPECS: dict[str, Accelerator] = {spec.name: spec for spec in _SPECS}
+
+
+def gpu_link_bytes_per_s(spec: Accelerator) -> float:
+    """One direction of the GPU's link to its peers: half the NVLink total where it has NVLink, else its PCIe
+    host link (per direction), which GPU-to-GPU traffic crosses without NVLink."""
+    if spec.interconnect_bytes_per_s is not None:
+        return spec.interconnect_bytes_per_s / 2
+    return spec.host_link_bytes_per_s
 
 
 def registry() -> list[str]:

@@ -10,7 +10,8 @@ layer type to its cache-layer class (`cache_utils.LAYER_CLASS_MAP`):
   decoupled rotary key per token, shared by all heads (DeepSeek-AI, 2024, arXiv:2405.04434, §2.1);
 - `NoCache`: layers that keep no per-token K/V (linear attention, Mamba, convolution, dummy layers).
 
-Sizing (`kvlab.sizing`), the roofline (`kvlab.roofline`) and timing (`kvlab.timing`) ask the layer, never its
+Under tensor parallelism (`tp` ranks) a layer says what one rank keeps: `kv_heads_per_rank`, with vLLM's
+replication past the KV-head count, and MLA's latent whole on every rank. Sizing (`kvlab.sizing`), the roofline (`kvlab.roofline`) and timing (`kvlab.timing`) ask the layer, never its
 kind's name, so a new kind is one class here. Chapters: *Sizing the cache*, *Why decode is bandwidth-bound*.
 """
 
@@ -25,6 +26,11 @@ import torch
 from kvlab.units import dtype_bytes
 
 LayerKind = Literal["full", "sliding", "mla", "none"]
+
+
+def _check_tp(tp: int) -> None:
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor-parallel size must be an integer >= 1, got {tp!r}")
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,21 @@ class LayerSpec(ABC):
     def kv_bytes_per_token(self, dtype: torch.dtype | str) -> int:
         """Bytes one more token adds to this layer while it still grows."""
         return self.elements_per_token * dtype_bytes(dtype)
+
+    def kv_heads_per_rank(self, tp: int) -> int:
+        """KV heads one of `tp` tensor-parallel ranks caches (see `FullAttention`; MLA's latent counts as one)."""
+        _check_tp(tp)
+        return self.cache_heads
+
+    def elements_per_token_per_rank(self, tp: int) -> int:
+        """Elements one of `tp` tensor-parallel ranks stores per token for this layer."""
+        _check_tp(tp)
+        return self.elements_per_token
+
+    def replicas(self, tp: int) -> int:
+        """How many of the `tp` ranks hold a copy of each cached head (1: the cache is split, not copied)."""
+        _check_tp(tp)
+        return 1
 
     @property
     def max_cached_tokens(self) -> int | None:
@@ -112,6 +133,25 @@ class FullAttention(LayerSpec):
     def pair_flops_per_head(self) -> int:
         return 2 * (self.head_dim + self.v_head_dim)
 
+    def kv_heads_per_rank(self, tp: int) -> int:
+        """vLLM's rule (`QKVParallelLinear`, `ModelConfig.get_num_kv_heads`): `max(1, kv_heads // tp)`.
+
+        Up to `kv_heads` ranks split the heads; past that each rank holds one head and every head is copied on
+        `tp // kv_heads` ranks. Either way one must divide the other, as vLLM requires.
+        """
+        _check_tp(tp)
+        if (tp <= self.kv_heads and self.kv_heads % tp) or (tp > self.kv_heads and tp % self.kv_heads):
+            raise ValueError(
+                f"tensor-parallel size {tp} and the {self.kv_heads} KV heads must divide one another"
+            )
+        return max(1, self.kv_heads // tp)
+
+    def elements_per_token_per_rank(self, tp: int) -> int:
+        return self.kv_heads_per_rank(tp) * (self.head_dim + self.v_head_dim)
+
+    def replicas(self, tp: int) -> int:
+        return tp * self.kv_heads_per_rank(tp) // self.kv_heads
+
 
 @dataclass(frozen=True)
 class SlidingWindowAttention(FullAttention):
@@ -156,6 +196,11 @@ class MLAttention(LayerSpec):
     def cache_heads(self) -> int:
         return 1
 
+    def replicas(self, tp: int) -> int:
+        """Every rank keeps the whole latent (vLLM's MLA, without decode context parallelism): `tp` copies."""
+        _check_tp(tp)
+        return tp
+
     @property
     def key_dim(self) -> int:
         return self.qk_head_dim
@@ -180,6 +225,10 @@ class NoCache(LayerSpec):
 
     def attended(self, context: float) -> float:
         return 0.0
+
+    def kv_heads_per_rank(self, tp: int) -> int:
+        _check_tp(tp)
+        return 0
 
     @property
     def pair_flops_per_head(self) -> int:

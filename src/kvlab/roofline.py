@@ -332,3 +332,104 @@ def critical_batch_size(
         if hi - lo <= 1e-12 * hi:
             break
     return hi
+
+
+# --- Tensor parallelism: the communication term (chapter *Many GPUs*, book/13_many_gpus) -------------------
+#
+# Megatron-style tensor parallelism (Shoeybi et al., 2019, arXiv:1909.08053, §3) splits attention heads and the
+# MLP's width across `tp` ranks; each layer ends its attention and its MLP with an all-reduce of the partial
+# outputs: two all-reduces per layer, each of tokens × hidden × bytes. A ring all-reduce of a buffer of B bytes
+# makes every rank send (and receive) 2(n-1)/n × B (Patarasuk & Yuan, 2009, "Bandwidth optimal all-reduce
+# algorithms for clusters of workstations", JPDC 69(2); NCCL's "bus bandwidth" uses the same factor). Each
+# rank's sends run over its own link in one direction, so the time is those bytes over the per-direction link
+# bandwidth (`kvlab.hardware.gpu_link_bytes_per_s`). The all-reduces sit on the critical path (a layer cannot
+# start before the previous one's sum), so the term is added to the step, not overlapped. A fixed latency per
+# all-reduce is not in any datasheet; it is a parameter (default 0), so the default term is a lower bound.
+
+
+def allreduce_buffer_bytes(config: Config, tokens: int = 1, dtype: DType = None) -> int:
+    """Bytes entering the all-reduces of one forward over `tokens` tokens under Megatron TP (any tp > 1):
+    2 per layer × tokens × hidden × bytes per element. What each rank hands to the collective."""
+    check_count("tokens", tokens)
+    config = resolve(config)
+    spec = describe(config)
+    dtype = config_dtype(config) if dtype is None else dtype
+    return 2 * spec.num_layers * tokens * spec.hidden_size * dtype_bytes(dtype)
+
+
+def ring_allreduce_bytes_sent(buffer_bytes: float, ranks: int) -> float:
+    """Bytes each rank sends (and receives) in a ring all-reduce of `buffer_bytes` over `ranks` ranks."""
+    check_count("ranks", ranks)
+    return 2 * (ranks - 1) / ranks * buffer_bytes
+
+
+@dataclass(frozen=True)
+class ParallelStepEstimate:
+    """One decode step on one of `tp` tensor-parallel ranks: its own roofline plus the all-reduces."""
+
+    tp: int
+    compute_s: float
+    memory_s: float
+    comm_s: float  # all-reduce time on the link, plus the latency term if one was given
+    weight_bytes: float  # this rank's weights read
+    kv_bytes: float  # this rank's cache read
+    allreduce_bytes: float  # bytes this rank hands to all-reduces in the step
+    link_bytes: float  # bytes this rank sends on its link (ring factor applied)
+    tokens: int
+
+    @property
+    def time_s(self) -> float:
+        return max(self.compute_s, self.memory_s) + self.comm_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.time_s
+
+
+def tp_decode_step(
+    config: Config,
+    hw: hardware.Accelerator | str,
+    tp: int = 1,
+    batch_size: int = 1,
+    context_len: int = 1,
+    dtype: DType = None,
+    kv_dtype: DType = None,
+    allreduce_latency_s: float = 0.0,
+) -> ParallelStepEstimate:
+    """A decode step of `batch_size` sequences split over `tp` GPUs of kind `hw` (modelled, not measured).
+
+    Each rank reads its share of the weights (`kvlab.sizing.weight_bytes_per_gpu`) and its share of the cache
+    (`kvlab.sizing.kv_cache_bytes(..., tp=tp)`, copies included), does 1/tp of the FLOPs, then pays two ring
+    all-reduces per layer over its link (`kvlab.hardware.gpu_link_bytes_per_s`, per direction), plus
+    `allreduce_latency_s` each. `tp=1` is `decode_step` with no communication.
+    """
+    from kvlab.sizing import weight_bytes_per_gpu
+
+    check_count("tp", tp)
+    check_count("batch_size", batch_size)
+    check_count("context_len", context_len)
+    if allreduce_latency_s < 0:
+        raise ValueError(f"allreduce_latency_s must be >= 0, got {allreduce_latency_s!r}")
+    acc = hardware.get(hw) if isinstance(hw, str) else hw
+    config = resolve(config)
+    whole = _decode(config, acc, batch_size, context_len, dtype, kv_dtype)
+    dtype, kv_dtype = _dtypes(config, dtype, kv_dtype)
+    text = config.get_text_config(decoder=True)
+    share = weight_bytes_per_gpu(text, dtype, tp=tp) / weight_bytes(text, dtype)
+    weights = whole.weight_bytes * share
+    kv = batch_size * kv_cache_bytes(config, context_len, 1, kv_dtype, tp=tp)
+    buffer = allreduce_buffer_bytes(config, batch_size, dtype) if tp > 1 else 0
+    sent = ring_allreduce_bytes_sent(buffer, tp)
+    calls = 2 * describe(config).num_layers if tp > 1 else 0
+    comm = sent / hardware.gpu_link_bytes_per_s(acc) + calls * allreduce_latency_s if tp > 1 else 0.0
+    return ParallelStepEstimate(
+        tp=tp,
+        compute_s=whole.compute_s / tp,
+        memory_s=(weights + kv) / acc.bandwidth_bytes_per_s,
+        comm_s=comm,
+        weight_bytes=weights,
+        kv_bytes=kv,
+        allreduce_bytes=buffer,
+        link_bytes=sent,
+        tokens=batch_size,
+    )

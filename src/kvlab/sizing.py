@@ -10,6 +10,7 @@ Chapter: *Sizing the cache* (book/02_sizing).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -38,10 +39,52 @@ def check_count(name: str, value: int, minimum: int = 1) -> int:
     return value
 
 
-def kv_bytes_per_token(config: PretrainedConfig | str, dtype: DType = None) -> int:
-    """Bytes one more token adds to one sequence's cache at short context (every layer still growing)."""
+def check_parallel(spec: ArchSpec, tp: int = 1, pp: int = 1) -> None:
+    """Raise a one-line ValueError when `tp` and `pp` cannot shard `spec` the way vLLM would.
+
+    `tp` must divide the query heads, and it and the KV-head count must divide one another; `pp` must not
+    exceed the layers.
+    """
+    check_count("tp", tp)
+    check_count("pp", pp)
+    if spec.num_attention_heads % tp:
+        raise ValueError(
+            f"tensor-parallel size {tp} does not divide the {spec.num_attention_heads} query heads of {spec.name}"
+        )
+    for layer in spec.layers:
+        layer.kv_heads_per_rank(tp)  # raises when tp and the KV heads do not divide one another
+    if pp > spec.num_layers:
+        raise ValueError(f"pipeline-parallel size {pp} exceeds the {spec.num_layers} layers of {spec.name}")
+
+
+def pipeline_stages(num_layers: int, pp: int) -> list[range]:
+    """The layers each of `pp` pipeline stages runs, split as vLLM splits them (`get_pp_indices` in
+    vllm/distributed/utils.py): evenly, with the remainder going one layer each to the stages before the last,
+    counting backwards from the second to last (the last stage also holds the final norm and the lm_head)."""
+    check_count("num_layers", num_layers)
+    check_count("pp", pp)
+    if pp > num_layers:
+        raise ValueError(f"pipeline-parallel size {pp} exceeds the {num_layers} layers")
+    sizes = [num_layers // pp] * pp
+    for i in range(2, num_layers % pp + 2):
+        sizes[-i] += 1
+    starts = [sum(sizes[:i]) for i in range(pp)]
+    return [range(start, start + size) for start, size in zip(starts, sizes, strict=True)]
+
+
+def kv_bytes_per_token(config: PretrainedConfig | str, dtype: DType = None, tp: int = 1, pp: int = 1) -> int:
+    """Bytes one more token adds to one sequence's cache at short context (every layer still growing).
+
+    With `tp` tensor-parallel ranks and `pp` pipeline stages: the bytes ONE GPU holds, on the stage that holds
+    the most. A rank keeps `max(1, kv_heads // tp)` KV heads per layer (vLLM's rule, so heads are copied once
+    `tp` exceeds the KV heads) and MLA's whole latent. `tp=1, pp=1` is the whole cache.
+    """
     spec, nbytes = _spec_and_bytes(config, dtype)
-    return sum(layer.elements_per_token for layer in spec.layers) * nbytes
+    check_parallel(spec, tp, pp)
+    return nbytes * max(
+        sum(spec.layers[i].elements_per_token_per_rank(tp) for i in stage)
+        for stage in pipeline_stages(spec.num_layers, pp)
+    )
 
 
 def kv_bytes_per_token_expanded(config: PretrainedConfig | str, dtype: DType = None) -> int:
@@ -51,20 +94,43 @@ def kv_bytes_per_token_expanded(config: PretrainedConfig | str, dtype: DType = N
 
 
 def kv_cache_bytes(
-    config: PretrainedConfig | str, seq_len: int, batch_size: int = 1, dtype: DType = None
+    config: PretrainedConfig | str,
+    seq_len: int,
+    batch_size: int = 1,
+    dtype: DType = None,
+    tp: int = 1,
+    pp: int = 1,
 ) -> int:
     """Bytes a transformers `DynamicCache` holds after a forward over `batch_size` sequences of `seq_len` tokens.
 
-    `dtype=None` takes the config's declared dtype (bf16 when it declares none).
+    `dtype=None` takes the config's declared dtype (bf16 when it declares none). With `tp` tensor-parallel ranks
+    and `pp` pipeline stages: the bytes ONE GPU holds (see `kv_bytes_per_token`), on the largest stage.
     """
+    return max(kv_cache_bytes_per_stage(config, seq_len, batch_size, dtype, tp, pp))
+
+
+def kv_cache_bytes_per_stage(
+    config: PretrainedConfig | str,
+    seq_len: int,
+    batch_size: int = 1,
+    dtype: DType = None,
+    tp: int = 1,
+    pp: int = 1,
+) -> list[int]:
+    """`kv_cache_bytes` for one GPU of each of the `pp` pipeline stages, first stage first."""
     check_count("seq_len", seq_len, 0)
     check_count("batch_size", batch_size)
     spec, nbytes = _spec_and_bytes(config, dtype)
-    return (
+    check_parallel(spec, tp, pp)
+    return [
         batch_size
         * nbytes
-        * sum(layer.cached_tokens(seq_len) * layer.elements_per_token for layer in spec.layers)
-    )
+        * sum(
+            spec.layers[i].cached_tokens(seq_len) * spec.layers[i].elements_per_token_per_rank(tp)
+            for i in stage
+        )
+        for stage in pipeline_stages(spec.num_layers, pp)
+    ]
 
 
 @config_cache
@@ -99,6 +165,105 @@ def weight_bytes(config: PretrainedConfig | str, dtype_or_bits: DType | int = No
         raise ValueError(f"weight precision must be a dtype or a bit count, got {dtype_or_bits!r}")
     config = resolve(config)
     return params * dtype_bytes(config_dtype(config) if dtype_or_bits is None else dtype_or_bits)
+
+
+_VOCAB = ("embed_tokens", "lm_head", "wte", "word_embeddings", "embed_out")
+_REPLICATED = ("norm", "ln_", "layernorm", "q_a_proj", "kv_a_proj", "wpe", "embed_positions")
+_ROW_PARALLEL_BIAS = (
+    "o_proj.bias",
+    "down_proj.bias",
+    "dense.bias",
+    "c_proj.bias",
+    "out_proj.bias",
+    "fc2.bias",
+)
+_LAYER_INDEX = re.compile(r"\.(?:layers|h)\.(\d+)\.")
+
+
+@config_cache
+def _named_sizes(config: PretrainedConfig) -> tuple[tuple[str, int], ...]:
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        try:
+            model = AutoModelForCausalLM.from_config(config)
+        except ValueError:
+            model = AutoModel.from_config(config)
+    return tuple((name, p.numel()) for name, p in model.named_parameters())
+
+
+def weight_bytes_per_gpu(
+    config: PretrainedConfig | str,
+    dtype_or_bits: DType | int = None,
+    tp: int = 1,
+    pp: int = 1,
+    vocab_parallel: bool = True,
+) -> int:
+    """Weight bytes ONE GPU holds with `tp` tensor-parallel ranks and `pp` pipeline stages (the largest stage).
+
+    Counted tensor by tensor on the `meta` device, the way vLLM shards a dense or MoE decoder: projections and
+    experts are split `tp` ways (column- or row-wise); K and V projections keep `max(1, kv_heads // tp)` heads
+    per rank, so they are copied past the KV-head count; norms, MLA's down-projections (`q_a_proj`,
+    `kv_a_proj_with_mqa`), routers, position tables and the biases of row-parallel layers are whole on every
+    rank; the embedding and lm_head are split by vocabulary rows when `vocab_parallel` (vLLM's
+    `VocabParallelEmbedding`; its padding of the vocabulary is not counted), else whole. A stage holds its own
+    layers, the first stage the input embedding, the last the final norm and the lm_head (a tied table on both).
+    Fused QKV tensors (Falcon, Phi-3, GPT-2) are split `tp` ways, which is exact only where KV heads = heads.
+    `tp=1, pp=1` equals `weight_bytes`.
+    """
+    return max(weight_bytes_per_stage(config, dtype_or_bits, tp, pp, vocab_parallel))
+
+
+def weight_bytes_per_stage(
+    config: PretrainedConfig | str,
+    dtype_or_bits: DType | int = None,
+    tp: int = 1,
+    pp: int = 1,
+    vocab_parallel: bool = True,
+) -> list[int]:
+    """`weight_bytes_per_gpu` for one GPU of each of the `pp` pipeline stages, first stage first."""
+    spec, _ = _spec_and_bytes(config, None)
+    check_parallel(spec, tp, pp)
+    config = resolve(config)
+    if isinstance(dtype_or_bits, int) and not isinstance(dtype_or_bits, bool):
+        weight_bytes(config, dtype_or_bits)  # validates the bit count
+        bits = dtype_or_bits
+    elif isinstance(dtype_or_bits, bool):
+        raise ValueError(f"weight precision must be a dtype or a bit count, got {dtype_or_bits!r}")
+    else:
+        bits = 8 * dtype_bytes(config_dtype(config) if dtype_or_bits is None else dtype_or_bits)
+    kv_heads = spec.kv_heads or 1
+    stages = pipeline_stages(spec.num_layers, pp)
+    tied = bool(getattr(config.get_text_config(decoder=True), "tie_word_embeddings", False))
+    per_stage = [0] * pp  # elements × tp, to divide once
+    for name, numel in _named_sizes(config):
+        match = _LAYER_INDEX.search(name)
+        if match is not None:
+            index = int(match.group(1))
+            owners = [s for s, stage in enumerate(stages) if index in stage]
+        elif any(key in name for key in ("lm_head", "embed_out")) or ("norm" in name or "ln_f" in name):
+            owners = [pp - 1]
+        elif tied and any(key in name for key in _VOCAB):
+            owners = sorted({0, pp - 1})
+        else:
+            owners = [0]
+        if any(key in name for key in _VOCAB):
+            share = numel if vocab_parallel else numel * tp
+        elif (
+            any(key in name for key in _REPLICATED)
+            or name.endswith(_ROW_PARALLEL_BIAS)
+            or name.endswith(".gate.weight")
+        ):
+            share = numel * tp
+        elif any(key in name for key in ("k_proj", "v_proj")) and spec.kv_heads:
+            share = numel * (
+                tp // kv_heads if tp > kv_heads else 1
+            )  # per rank: numel × max(1, kv // tp) / kv
+        else:
+            share = numel
+        for owner in owners:
+            per_stage[owner] += share
+    return [math.ceil(elements * bits / (8 * tp)) for elements in per_stage]
 
 
 def crossover_context(
