@@ -73,3 +73,43 @@ def test_bad_input_is_one_line_and_nonzero(argv, message):
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].count("error") >= 1
+
+
+def test_size_per_gpu_with_tp_and_pp(capsys):
+    argv = [
+        "size",
+        "meta-llama/Llama-3.1-70B",
+        "--context",
+        "32k",
+        "--tp",
+        "8",
+        "--pp",
+        "2",
+        "--gpu",
+        "H100-SXM",
+    ]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tp=8, pp=2: 16 GPUs" in out
+    assert "20 KiB (20,480 B, bf16)" in out  # 80 layers / 2 stages × 1 KV head × 256 × 2 B
+    assert "KV pool" in out and "fits" in out
+
+
+def test_size_reports_kv_head_copies():
+    text = cli.size_report("meta-llama/Llama-3.1-8B", 4096, 1, tp=16)
+    assert "copied on 2 GPUs" in text
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["size", "meta-llama/Llama-3.1-70B", "--tp", "1", "--gpu", "H100-SXM"],
+            "smallest tensor-parallel size",
+        ),
+        (["size", "Qwen/Qwen2.5-7B", "--tp", "8"], "does not divide the 28 query heads"),
+        (["size", "Qwen/Qwen2.5-7B", "--tp", "0"], "positive integer"),
+    ],
+)
+def test_bad_parallel_plan_is_one_line(argv, message):
+    test_bad_input_is_one_line_and_nonzero(argv, message)

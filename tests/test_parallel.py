@@ -130,3 +130,36 @@ def test_placement_dp_tp_pp():
     assert tp.kv_bytes == sizing.kv_cache_bytes(name, 8192, 16, "bf16") // 8
     assert dp.gpus == tp.gpus == 8
     assert parallel.placement("deepseek-ai/DeepSeek-V3", 1024, tp=8).kv_copies == 8
+
+
+def test_allreduce_term_and_tp_decode_step():
+    name = "meta-llama/Llama-3.1-70B"
+    assert roofline.allreduce_buffer_bytes(name, 4, "bf16") == 2 * 80 * 4 * 8192 * 2
+    assert roofline.ring_allreduce_bytes_sent(1000, 2) == 1000
+    assert roofline.ring_allreduce_bytes_sent(1000, 8) == 1750
+    one = roofline.tp_decode_step(name, "H100-SXM", tp=1, batch_size=4, context_len=4096)
+    assert one.comm_s == 0 and one.time_s == pytest.approx(
+        roofline.decode_step_time(name, "H100-SXM", 4, 4096)
+    )
+    eight = roofline.tp_decode_step(name, "H100-SXM", tp=8, batch_size=4, context_len=4096)
+    assert eight.kv_bytes == one.kv_bytes / 8
+    assert eight.link_bytes == roofline.ring_allreduce_bytes_sent(eight.allreduce_bytes, 8)
+    assert eight.comm_s == pytest.approx(
+        eight.link_bytes / 450e9
+    )  # NVLink 900 GB/s total = 450 GB/s each way
+    assert one.time_s / 8 < eight.time_s < one.time_s  # faster, but less than 8×
+    slow = roofline.tp_decode_step(
+        name, "H100-SXM", tp=8, batch_size=4, context_len=4096, allreduce_latency_s=1e-5
+    )
+    assert slow.comm_s == pytest.approx(eight.comm_s + 160 * 1e-5)
+
+
+def test_memory_budget_per_gpu():
+    from kvlab import budget
+
+    name = "meta-llama/Llama-3.1-70B"
+    assert budget.memory_budget(name, "H100-SXM", tp=1) == budget.memory_budget(name, "H100-SXM")
+    assert not budget.memory_budget(name, "H100-SXM").fits
+    plan = budget.memory_budget(name, "H100-SXM", tp=4)
+    assert plan.fits and plan.weight_bytes == sizing.weight_bytes_per_gpu(name, "bf16", tp=4)
+    assert plan.kv_bytes_per_token == sizing.kv_bytes_per_token(name, "bf16", tp=4)

@@ -158,3 +158,86 @@ def test_crossover_is_tight_and_none_when_window_caps():
     assert sizing.kv_cache_bytes("meta-llama/Llama-3.1-8B", n - 1, 1, "bf16") < weights
     assert sizing.crossover_context("mistralai/Mistral-7B-v0.1", 1, "bf16", "bf16") is None
     assert sizing.crossover_context("mistralai/Mistral-7B-v0.1", 32, "bf16", "bf16") is not None
+
+
+# --- tensor and pipeline parallelism: the bytes ONE GPU holds (chapter Many GPUs) ---------------------------
+
+
+@pytest.mark.parametrize("name", arch.registry())
+def test_tp1_pp1_is_unchanged(name):
+    assert sizing.kv_bytes_per_token(name, "bf16", tp=1) == sizing.kv_bytes_per_token(name, "bf16")
+    assert sizing.kv_cache_bytes(name, 4096, 3, "bf16", tp=1, pp=1) == sizing.kv_cache_bytes(
+        name, 4096, 3, "bf16"
+    )
+
+
+def test_tp_splits_kv_heads_then_copies_them():
+    name = "meta-llama/Llama-3.1-8B"  # 32 query heads, 8 KV heads
+    whole = sizing.kv_bytes_per_token(name, "bf16")
+    assert [sizing.kv_bytes_per_token(name, "bf16", tp=t) for t in (2, 4, 8)] == [
+        whole // 2,
+        whole // 4,
+        whole // 8,
+    ]
+    assert (
+        sizing.kv_bytes_per_token(name, "bf16", tp=16) == whole // 8
+    )  # one head per GPU, each head on 2 GPUs
+    tiny = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"  # 32 query heads, 4 KV heads
+    assert sizing.kv_bytes_per_token(tiny, "bf16", tp=8) == sizing.kv_bytes_per_token(tiny, "bf16", tp=4)
+    layer = arch.describe(tiny).layers[0]
+    assert (layer.kv_heads_per_rank(8), layer.replicas(8)) == (1, 2)
+
+
+def test_mla_latent_is_whole_on_every_rank():
+    name = "deepseek-ai/DeepSeek-V3"
+    assert sizing.kv_cache_bytes(name, 8192, 1, "bf16", tp=8) == sizing.kv_cache_bytes(name, 8192, 1, "bf16")
+    assert {layer.replicas(8) for layer in arch.describe(name).layers} == {8}
+
+
+def test_pipeline_stages_follow_vllm_and_sum_to_the_whole():
+    assert [len(s) for s in sizing.pipeline_stages(61, 4)] == [15, 15, 16, 15]
+    assert [len(s) for s in sizing.pipeline_stages(7, 4)] == [2, 2, 2, 1]
+    assert [len(s) for s in sizing.pipeline_stages(32, 2)] == [16, 16]
+    name = "google/gemma-2-9b"  # alternating sliding and full layers: stages differ at long context
+    stages = sizing.kv_cache_bytes_per_stage(name, 32768, 2, "bf16", pp=3)
+    assert sum(stages) == sizing.kv_cache_bytes(name, 32768, 2, "bf16")
+    assert sizing.kv_cache_bytes(name, 32768, 2, "bf16", pp=3) == max(stages)
+    weights = sizing.weight_bytes_per_stage(name, "bf16", pp=2, vocab_parallel=False)
+    tied = sizing.weight_bytes(name, "bf16") + 2 * 3584 * 256000  # a tied table sits on both end stages
+    assert sum(weights) == tied
+
+
+@pytest.mark.parametrize(
+    "name", ["meta-llama/Llama-3.1-70B", "Qwen/Qwen2.5-72B", "mistralai/Mixtral-8x7B-v0.1"]
+)
+def test_weight_bytes_per_gpu(name):
+    whole = sizing.weight_bytes(name, "bf16")
+    assert sizing.weight_bytes_per_gpu(name, "bf16") == whole
+    for tp in (2, 4, 8):
+        per_gpu = sizing.weight_bytes_per_gpu(name, "bf16", tp=tp)
+        assert (
+            whole / tp <= per_gpu < whole / tp * 1.01
+        )  # norms (and nothing else here) are whole on every rank
+    assert sizing.weight_bytes_per_gpu(name, 4, tp=8) == pytest.approx(
+        sizing.weight_bytes_per_gpu(name, "bf16", tp=8) / 4, abs=1
+    )
+
+
+@pytest.mark.parametrize(
+    "name, tp, pp, message",
+    [
+        ("Qwen/Qwen2.5-7B", 8, 1, "does not divide the 28 query heads"),
+        ("meta-llama/Llama-3.1-8B", 3, 1, "does not divide the 32 query heads"),
+        ("meta-llama/Llama-3.1-8B", 1, 33, "exceeds the 32 layers"),
+        ("meta-llama/Llama-3.1-8B", 0, 1, "tp must be an integer"),
+    ],
+)
+def test_bad_parallel_sizes(name, tp, pp, message):
+    with pytest.raises(ValueError, match=message):
+        sizing.kv_cache_bytes(name, 1024, 1, "bf16", tp=tp, pp=pp)
+
+
+def test_kv_heads_and_tp_must_divide_one_another():
+    config = models.tiny_config("llama", heads=12, kv_heads=4, hidden=96)
+    with pytest.raises(ValueError, match="4 KV heads must divide one another"):
+        sizing.kv_bytes_per_token(config, "bf16", tp=6)
