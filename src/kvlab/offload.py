@@ -72,6 +72,11 @@ class Link:
     name: str
     bytes_per_s: float
     source: str
+    short: str = ""  # a label for tables and figures
+
+    @property
+    def label(self) -> str:
+        return self.short or self.name
 
 
 LINKS: dict[str, Link] = {
@@ -81,28 +86,35 @@ LINKS: dict[str, Link] = {
             "PCIe Gen4 x16",
             32 * GB,
             "PCI-SIG PCIe 4.0: 16 GT/s x16, ~31.5 GB/s per direction (kvlab.hardware)",
+            "PCIe 4",
         ),
         Link(
-            "PCIe Gen5 x16", 64 * GB, "PCI-SIG PCIe 5.0: 32 GT/s x16, ~63 GB/s per direction (kvlab.hardware)"
+            "PCIe Gen5 x16",
+            64 * GB,
+            "PCI-SIG PCIe 5.0: 32 GT/s x16, ~63 GB/s per direction (kvlab.hardware)",
+            "PCIe 5",
         ),
         Link(
             "NVMe Gen4 (Samsung 990 PRO)",
             7.45 * GB,
             "Samsung 990 PRO datasheet: sequential read up to 7,450 MB/s "
             "(https://semiconductor.samsung.com/consumer-storage/internal-ssd/990-pro/)",
+            "NVMe 4",
         ),
         Link(
             "NVMe Gen5 (Crucial T705)",
             14.5 * GB,
             "Crucial T705 2 TB product page: sequential read up to 14,500 MB/s "
             "(https://www.crucial.com/ssd/t705/ct2000t705ssd3)",
+            "NVMe 5",
         ),
-        Link("100 Gb Ethernet", 12.5 * GB, "IEEE 802.3ba: 100 Gb/s = 12.5 GB/s line rate"),
+        Link("100 Gb Ethernet", 12.5 * GB, "IEEE 802.3ba: 100 Gb/s = 12.5 GB/s line rate", "100 GbE"),
         Link(
             "400 Gb InfiniBand NDR",
             50 * GB,
             "NVIDIA ConnectX-7 datasheet: 400 Gb/s NDR = 50 GB/s per port "
             "(https://www.nvidia.com/en-us/networking/ethernet/connectx-7/)",
+            "IB NDR",
         ),
     ]
 }
@@ -136,7 +148,8 @@ class TierBandwidth:
 
     @property
     def latency_s(self) -> float:
-        """Median seconds of one smallest (4 KiB) read: what every request pays before its bytes flow; 0 if unmeasured."""
+        """Median seconds of one 4 KiB read issued after a burst of compute: what every request pays before its
+        bytes flow; 0 if unmeasured."""
         return median(self.latency_samples) if self.latency_samples else 0.0
 
     @property
@@ -394,8 +407,24 @@ def disk_read(
     )
 
 
-def _small_read_seconds(fd: int, size_bytes: int, direct: bool, count: int = 32) -> list[float]:
-    """Seconds of `count` single 4 KiB reads spread over the file (each from the drive, not the page cache)."""
+def _busy(seconds: float) -> None:
+    """Keep this thread computing for `seconds` (small matmuls), as a decode step does between its reads."""
+    a = torch.ones(64, 64)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a @ a
+
+
+def _small_read_seconds(
+    fd: int, size_bytes: int, direct: bool, count: int = 32, busy_s: float = 2e-3
+) -> list[float]:
+    """Seconds of `count` single 4 KiB reads spread over the file, each issued after `busy_s` of computing.
+
+    A decode loop reads from disk between bursts of compute, not back to back. A read issued by a thread that
+    has just been computing pays more than one in a tight loop: on a shared or virtualised machine the thread,
+    or the virtual CPU, sleeps during the I/O and waits to be scheduled again (back-to-back 4 KiB reads took
+    about 0.05 ms on the machine that built this book, reads after 2 ms of compute 1-3 ms).
+    """
     buf = _aligned_buffer(ALIGN)
     try:
         stride = max(ALIGN, size_bytes // count // ALIGN * ALIGN)
@@ -403,6 +432,7 @@ def _small_read_seconds(fd: int, size_bytes: int, direct: bool, count: int = 32)
         for i in range(count):
             if not direct:
                 _drop_page_cache(fd)
+            _busy(busy_s)
             start = time.perf_counter()
             os.preadv(fd, [buf], i * stride % size_bytes)
             times.append(time.perf_counter() - start)
