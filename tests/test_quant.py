@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import QuantizedCache
 
-from kvlab import models, quant
+from kvlab import measure, models, quant
 
 # Stated in book/11_kv_quantization: fp8 and int8 caches keep at least this fraction of greedy tokens.
 GREEDY_AGREEMENT_THRESHOLD = 0.9
@@ -163,3 +163,18 @@ def test_real_model_keeps_greedy_tokens_with_fp8_and_int8():
     for method in ("fp8", "int8"):
         run = quant.greedy(model, ids, method, 10, reference=reference.tokens)
         assert run.agreement >= GREEDY_AGREEMENT_THRESHOLD, (method, run.agreement)
+
+
+def test_quantized_weights_leave_the_cache_unchanged_to_the_byte():
+    model = models.tiny_model("llama", layers=2, hidden=128, heads=4, kv_heads=2, device="cpu")
+    ids = torch.randint(0, 256, (2, 9))
+    before = quant.weight_bytes_held(model)
+    assert before == sum(p.numel() * p.element_size() for p in model.parameters())
+    with torch.inference_mode():
+        full = model(ids, use_cache=True).cache
+    quant.quantize_weights_int8(model)
+    after = quant.weight_bytes_held(model)
+    assert after < before / 2  # int8 linears (+ scales), fp32 embeddings and head
+    with torch.inference_mode():
+        cache = model(ids, use_cache=True).cache
+    assert measure.cache_tensor_bytes(cache) == measure.cache_tensor_bytes(full) == 2 * 2 * 2 * 9 * 2 * 32 * 4

@@ -596,3 +596,36 @@ def decode_step_memory(model: Any, ids: torch.Tensor, method: str | None, **opti
         with MemoryTracker(device) as mem:
             model(nxt, cache=cache, use_cache=True)
     return StepMemory(str(method), ids.shape[1] + 1, stored_bytes(cache), mem.peak_bytes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quantized weights, for contrast (book/10_weights_not_cache): the cache does not shrink with them.
+
+
+def weight_bytes_held(model: torch.nn.Module) -> int:
+    """Bytes of every distinct tensor storage in the model's state (parameters, buffers, quantized data and
+    scales); a tied embedding counts once."""
+    seen: dict[tuple[int, int], int] = {}
+    for tensor in model.state_dict(keep_vars=False).values():
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+    return sum(seen.values())
+
+
+def quantize_weights_int8(
+    model: torch.nn.Module, exclude: str | list[str] | None = "lm_head"
+) -> torch.nn.Module:
+    """Weight-only int8 quantization of the model's linear layers in place, with optimum-quanto (frozen).
+
+    The lm_head is left alone by default: in tied-embedding models it shares its table with the input embedding.
+    """
+    try:
+        from optimum.quanto import freeze, qint8, quantize  # type: ignore[import-untyped]
+    except ImportError:
+        raise ModuleNotFoundError(
+            "weight quantization needs optimum-quanto: run `pip install --no-deps optimum-quanto==0.2.7`"
+        ) from None
+    quantize(model, weights=qint8, exclude=exclude)
+    freeze(model)
+    return model
