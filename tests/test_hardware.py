@@ -60,3 +60,12 @@ def test_measure_other_dtype():
 def test_measure_rejects_bad_sizes(kwargs):
     with pytest.raises(ValueError):
         hardware.measure("cpu", **kwargs)
+
+
+def test_compute_dtype():
+    from kvlab.env import compute_dtype
+
+    assert compute_dtype("cpu") == torch.float32
+    if torch.cuda.is_available():  # pragma: no cover - GPU machines
+        major, _ = torch.cuda.get_device_capability()
+        assert compute_dtype("cuda") == (torch.bfloat16 if major >= 8 else torch.float16)

@@ -15,6 +15,16 @@ def pick_device(device: str | torch.device | None = None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def compute_dtype(device: str | torch.device | None = None) -> torch.dtype:
+    """The dtype a lab computes in on `device`: fp32 on CPU; bf16 on GPUs with bf16 tensor cores (compute
+    capability 8.0 and up: A100, L4, H100, ...); fp16 on older GPUs such as the T4 (7.5), which has none."""
+    device = pick_device(device)
+    if device.type != "cuda":
+        return torch.float32
+    major, _ = torch.cuda.get_device_capability(device)
+    return torch.bfloat16 if major >= 8 else torch.float16
+
+
 def device_name(device: str | torch.device | None = None) -> str:
     device = pick_device(device)
     if device.type == "cuda":

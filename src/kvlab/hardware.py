@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from kvlab.env import device_name, pick_device
+from kvlab.env import compute_dtype, device_name, pick_device
 from kvlab.measure import time_call
 
 GB = 10**9
@@ -254,8 +254,9 @@ def measure(
 
     Bandwidth: `dst.copy_(src)` of `size_bytes`, counting read + write (2 × size); 256 MiB is past the
     last-level cache of the CPUs and GPUs this book meets. FLOP/s: an n × n by n × n matmul (2n³ FLOP) in
-    `dtype`, default bf16 on GPU and fp32 on CPU (the dtype the CPU labs run their models in; CPUs with AMX run
-    bf16 several times faster, pass `dtype=torch.bfloat16` to see it). Each figure is the best of `repeat`
+    `dtype`, by default `kvlab.env.compute_dtype`: bf16 on GPUs with bf16 tensor cores, fp16 on older ones
+    (a T4), fp32 on CPU, the dtype the CPU labs run their models in (CPUs with AMX run bf16 several times
+    faster: pass `dtype=torch.bfloat16` to see it). Each figure is the best of `repeat`
     runs, as STREAM reports: the ceiling, not the typical run. On CPU the defaults take about a second.
     """
     if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes < 2**20:
@@ -264,7 +265,7 @@ def measure(
         raise ValueError(f"repeat must be >= 1, got {repeat}")
     device = pick_device(device)
     gpu = device.type == "cuda"
-    dtype = dtype or (torch.bfloat16 if gpu else torch.float32)
+    dtype = dtype or compute_dtype(device)
     n = (8192 if gpu else 1024) if matmul_size is None else matmul_size
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"matmul_size must be a positive integer, got {n!r}")
