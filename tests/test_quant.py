@@ -178,3 +178,14 @@ def test_quantized_weights_leave_the_cache_unchanged_to_the_byte():
     with torch.inference_mode():
         cache = model(ids, use_cache=True).cache
     assert measure.cache_tensor_bytes(cache) == measure.cache_tensor_bytes(full) == 2 * 2 * 2 * 9 * 2 * 32 * 4
+
+
+@pytest.mark.parametrize("method", ["none", "hf-fp8", *quant.METHODS])
+@pytest.mark.parametrize("tokens", [40, 150])
+def test_predicted_stored_bytes_equal_measured(method, tokens):
+    model = models.tiny_model("llama", layers=2, hidden=256, heads=4, kv_heads=2, device="cpu")
+    ids = torch.randint(0, 256, (1, tokens))
+    cache = quant.cache_factory(None if method == "none" else method, model)()
+    with torch.inference_mode():
+        model(ids, cache=cache, use_cache=True)
+    assert quant.stored_bytes(cache) == quant.predicted_stored_bytes(method, model.config, tokens)

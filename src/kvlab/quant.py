@@ -392,6 +392,48 @@ def stored_bits_per_element(method: str, head_dim: int = 64, group_size: int = 3
     raise ValueError(f"unknown KV quantization method {method!r}; known methods: {', '.join(METHODS)}")
 
 
+def predicted_stored_bytes(
+    method: str,
+    config: PretrainedConfig,
+    tokens: int,
+    batch: int = 1,
+    dtype: torch.dtype = torch.float32,
+    group_size: int | None = None,
+    residual_length: int = 128,
+) -> int:
+    """Bytes a cache of `method` holds after `tokens` tokens, from the format alone (every layer full attention).
+
+    ``"none"`` is the full-precision `DynamicCache`; ``"hf-fp8"`` is transformers' `QuantizedCache("fp8")`
+    (1-byte codes and one fp32 scale per K or V tensor per layer). Scales and minima are fp16 (2 bytes).
+    """
+    text = config.get_text_config(decoder=True)
+    layers, heads = text.num_hidden_layers, text.num_key_value_heads
+    d = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    rows = batch * heads * tokens  # (batch, head, token) rows of `d` elements, for K and for V
+    elem = torch.empty(0, dtype=dtype).element_size()
+    if method == "none":
+        per_layer = 2 * rows * d * elem
+    elif method == "hf-fp8":
+        per_layer = 2 * (rows * d + 4)
+    elif method in ("int8", "fp8"):
+        per_layer = 2 * rows * (d + 2)
+    elif method == "int4":
+        g = group_size or min(32, d)
+        per_layer = 2 * rows * (d // 2 + 2 * 2 * (d // g))
+    elif method == "kivi2":
+        g = group_size or 32
+        flushed = (tokens // residual_length) * residual_length
+        q_rows = batch * heads * flushed
+        keys = q_rows * d // 4 + 2 * 2 * (q_rows // g) * d
+        values = q_rows * d // 4 + 2 * 2 * q_rows * (d // min(g, d))
+        per_layer = keys + values + 2 * batch * heads * (tokens - flushed) * d * elem
+    else:
+        raise ValueError(
+            f"unknown KV quantization method {method!r}; known methods: none, hf-fp8, {', '.join(METHODS)}"
+        )
+    return layers * per_layer
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Accuracy, memory and speed on a model.
 
