@@ -107,9 +107,21 @@ def test_size_reports_kv_head_copies():
             ["size", "meta-llama/Llama-3.1-70B", "--tp", "1", "--gpu", "H100-SXM"],
             "smallest tensor-parallel size",
         ),
-        (["size", "Qwen/Qwen2.5-7B", "--tp", "8"], "does not divide the 28 query heads"),
-        (["size", "Qwen/Qwen2.5-7B", "--tp", "0"], "positive integer"),
     ],
 )
 def test_bad_parallel_plan_is_one_line(argv, message):
     test_bad_input_is_one_line_and_nonzero(argv, message)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["size", "Qwen/Qwen2.5-7B", "--tp", "8"], "does not divide the 28 query heads"),
+        (["size", "meta-llama/Llama-3.1-8B", "--pp", "33"], "exceeds the 32 layers"),
+        (["size", "deepseek-ai/DeepSeek-V3", "--tp", "8", "--gpu", "H200"], "fits is --tp 16"),
+    ],
+)
+def test_bad_parallel_sizes_in_process(argv, message, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and err[0].startswith("kvlab: error:")
