@@ -7,6 +7,8 @@ import torch.nn.functional as F
 
 from kvlab import arch
 from kvlab.engine import LLMEngine
+from kvlab.measure import MemoryTracker, expected_pool_bytes, module_kv_bytes_per_token, tensor_bytes
+from kvlab.metrics import measured_fragmentation, predicted_fragmentation
 from kvlab.models import tiny_config, tiny_model
 from kvlab.paging import (
     ATTN_IMPLEMENTATION,
@@ -19,6 +21,7 @@ from kvlab.paging import (
     split_by_width,
 )
 from kvlab.sizing import kv_bytes_per_token
+from kvlab.workloads import resident_lengths, synthetic_trace
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
 
@@ -111,12 +114,125 @@ def test_pool_bytes_per_token_equals_sizing_for_published_models(name):
     )
 
 
-def test_engine_pool_memory_is_blocks_times_sizing():
+def assert_pool_bytes_measured(model, engine_kwargs):
+    """The engine's pool, measured two ways, against what the model's own K/V projections need.
+
+    Measured: the bytes of the storage behind the pool tensor the engine allocated (`measure.tensor_bytes`), and
+    what the engine's construction left allocated (`MemoryTracker`: storage accounting on CPU,
+    `torch.cuda.memory_allocated` on a GPU). Expected: `measure.expected_pool_bytes`, from each attention module's
+    `k_proj`/`v_proj` output sizes; neither side goes through `kvlab.arch`, which shapes the pool.
+    """
+    device = next(model.parameters()).device
+    with MemoryTracker(device) as mem:
+        engine = LLMEngine(model, **engine_kwargs)
+    expected = expected_pool_bytes(model, engine.num_blocks * engine.block_size)
+    assert tensor_bytes(engine.pool.kv) == expected
+    assert engine.kv_cache_bytes == expected
+    # The engine also keeps a one-element mask placeholder (512 B once the CUDA allocator rounds it up).
+    assert 0 <= mem.retained_bytes - expected < 1024
+    return engine
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
+def test_engine_pool_bytes_measured_equal_module_expectation(family):
+    model = tiny_model(family, layers=2, hidden=64, heads=4, kv_heads=2, vocab=256)
+    engine = assert_pool_bytes_measured(model, dict(block_size=8, num_blocks=10))
+    assert engine.kv_bytes_per_token == kv_bytes_per_token(model.config, torch.float32)
+    assert engine.kv_cache_bytes == 10 * 8 * 2 * 2 * (2 * 16) * 4  # layers × K,V × kv_heads × head_dim × fp32
+
+
+@pytest.mark.parametrize("mutation", ["extra layer", "extra kv head"])
+def test_pool_bytes_check_catches_a_pool_of_the_wrong_shape(monkeypatch, mutation):
+    """Proof the check is independent: if kvlab.arch reported one layer or one KV head too many, the pool (shaped
+    from it) would be wrong, and the measured-vs-modules check must fail."""
+    import kvlab.paging
+
+    real_describe = kvlab.paging.describe
+
+    def wrong(config):
+        spec = real_describe(config)
+        if mutation == "extra layer":
+            layers = (*spec.layers, spec.layers[-1])
+        else:
+            layers = tuple(dataclasses.replace(layer, kv_heads=layer.kv_heads + 1) for layer in spec.layers)
+        return dataclasses.replace(spec, layers=layers)
+
     model = tiny_model("llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=256)
-    engine = LLMEngine(model, block_size=8, num_blocks=10)
-    per_token = kv_bytes_per_token(model.config, torch.float32)
-    assert engine.kv_bytes_per_token == per_token
-    assert engine.pool.nbytes == 10 * 8 * per_token
+    monkeypatch.setattr(kvlab.paging, "describe", wrong)
+    with pytest.raises(AssertionError):
+        assert_pool_bytes_measured(model, dict(block_size=8, num_blocks=10))
+
+
+def test_module_kv_bytes_reads_projections_not_config():
+    model = tiny_model("llama", layers=3, hidden=64, heads=4, kv_heads=2, vocab=256)
+    assert module_kv_bytes_per_token(model) == 3 * 2 * 2 * 16 * 4
+    assert module_kv_bytes_per_token(model, torch.bfloat16) == 3 * 2 * 2 * 16 * 2
+    model.config.num_key_value_heads = 4  # the config can say what it likes: the modules decide
+    assert module_kv_bytes_per_token(model) == 3 * 2 * 2 * 16 * 4
+    with pytest.raises(ValueError, match="no attention module"):
+        module_kv_bytes_per_token(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="num_tokens"):
+        expected_pool_bytes(model, -1)
+
+
+def independent_fragmentation(lengths, block_size):
+    """Last-block waste and table entries per sequence, from the lengths alone (no kvlab code): a sequence of n
+    tokens needs (n + B - 1) // B blocks and leaves (-n) mod B slots of its last block empty."""
+    waste = sum((-n) % block_size for n in lengths)
+    entries = sum((n + block_size - 1) // block_size for n in lengths)
+    return waste / len(lengths), entries / len(lengths)
+
+
+def replay(model, trace, block_size, num_blocks=64):
+    engine = LLMEngine(model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=4, clock="virtual")
+    engine.replay(trace)
+    return engine.step_stats
+
+
+def check_fragmentation(stats, trace, block_size):
+    """After each step the running sequences waste fewer than B slots each, and over the run the waste and table
+    size per (sequence, step) equal the independent prediction from the trace's lengths."""
+    for s in stats:
+        assert s.reserved_token_slots - s.used_token_slots < block_size * max(s.num_running, 1)
+    seq_steps = sum(s.num_running for s in stats)
+    measured = (
+        sum(s.reserved_token_slots - s.used_token_slots for s in stats) / seq_steps,
+        sum(s.blocks_used for s in stats) / seq_steps,
+    )
+    assert measured == independent_fragmentation(resident_lengths(trace), block_size)
+
+
+@pytest.fixture(scope="module")
+def small_trace():
+    return synthetic_trace(
+        6, "alpaca", request_rate=50.0, scale=0.5, seed=5, max_input_len=24, max_output_len=12
+    )
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_fragmentation_equals_prediction_from_lengths(block_size, small_trace):
+    model = tiny_model("llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=256)
+    stats = replay(model, small_trace, block_size, 256 // block_size)
+    check_fragmentation(stats, small_trace, block_size)
+    assert max(s.reserved_token_slots - s.used_token_slots for s in stats) > 0  # there is waste to predict
+
+
+def test_fragmentation_check_catches_an_allocator_that_over_allocates(monkeypatch, small_trace):
+    """Proof: make the allocator's block count one too many per sequence (in the helper the allocator and
+    kvlab.metrics share, as the audit did); kvlab.metrics' own prediction still agrees, the independent one fails."""
+    import kvlab.block_manager
+    import kvlab.metrics
+
+    def one_too_many(num_tokens, block_size):
+        return -(-num_tokens // block_size) + 1
+
+    monkeypatch.setattr(kvlab.block_manager, "blocks_for", one_too_many)
+    monkeypatch.setattr(kvlab.metrics, "blocks_for", one_too_many)
+    model = tiny_model("llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=256)
+    stats = replay(model, small_trace, 4)
+    assert measured_fragmentation(stats) == predicted_fragmentation(resident_lengths(small_trace), 4)
+    with pytest.raises(AssertionError):
+        check_fragmentation(stats, small_trace, 4)
 
 
 def test_mla_is_rejected():

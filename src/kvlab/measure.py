@@ -1,6 +1,9 @@
 """Measuring what the cache holds, how much memory a step takes, and how long it takes.
 
 - `cache_inventory` / `cache_tensor_bytes`: every tensor a transformers `Cache` object keeps, and their bytes.
+- `module_kv_bytes_per_token` / `expected_pool_bytes`: what a KV cache must hold per token, read from the model's
+  own attention modules (the output sizes of each K and V projection), not from its config: the expectation that
+  a pool's bytes, measured from its tensors, are checked against (`tensor_bytes` counts those).
 - `MemoryTracker`: CUDA allocator statistics on a GPU; on CPU, accounting of every tensor storage created inside
   the block (a `TorchDispatchMode` sees each aten op's outputs, and weak references see them freed).
 - `time_call` / `Timer`: CUDA events on a GPU, `perf_counter` on CPU.
@@ -95,6 +98,52 @@ def cache_tensor_bytes(cache: Any, storage: bool = False) -> int:
             if isinstance(tensor, torch.Tensor):
                 st = tensor.untyped_storage()
                 seen[(st.data_ptr(), st.nbytes())] = st.nbytes()
+    return sum(seen.values())
+
+
+def module_kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Bytes one token's K and V take in every layer, read from the model's attention modules.
+
+    Each module with `k_proj` and `v_proj` linear layers writes `k_proj.out_features` key and
+    `v_proj.out_features` value elements per token (kv_heads × head_dim each); their sum over all such modules,
+    times the element size (`dtype`, else the K projection's weight dtype), is what a cache of every layer must
+    store per token. Nothing here reads the config or `kvlab.arch`, so it is an independent expectation for the
+    engine's pool, whose shape comes from `kvlab.arch.describe`.
+    """
+    total = 0
+    for name, module in model.named_modules():
+        k_proj, v_proj = getattr(module, "k_proj", None), getattr(module, "v_proj", None)
+        if k_proj is None and v_proj is None:
+            continue
+        if not (isinstance(k_proj, torch.nn.Linear) and isinstance(v_proj, torch.nn.Linear)):
+            raise ValueError(
+                f"{name or 'model'}: k_proj and v_proj must both be nn.Linear to read the K/V width"
+            )
+        itemsize = (dtype or k_proj.weight.dtype).itemsize
+        total += (k_proj.out_features + v_proj.out_features) * itemsize
+    if not total:
+        raise ValueError(
+            f"{type(model).__name__} has no attention module with k_proj and v_proj (fused QKV or MLA projections "
+            "are not read)"
+        )
+    return total
+
+
+def expected_pool_bytes(model: torch.nn.Module, num_tokens: int, dtype: torch.dtype | None = None) -> int:
+    """Bytes a KV store of `num_tokens` token slots in every layer must hold: `module_kv_bytes_per_token` × tokens."""
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    return num_tokens * module_kv_bytes_per_token(model, dtype)
+
+
+def tensor_bytes(*tensors: torch.Tensor) -> int:
+    """Bytes of the storages behind these tensors, each storage counted once (views of one buffer share it)."""
+    seen: dict[tuple[str, int], int] = {}
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"expected tensors, got {type(tensor).__name__}")
+        storage = tensor.untyped_storage()
+        seen[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
     return sum(seen.values())
 
 
