@@ -41,7 +41,9 @@ async () => {
   const maths = Array.from(document.querySelectorAll(".math"));
   const untypeset = maths.filter((m) => !m.querySelector("mjx-container")).map((m) => m.textContent.slice(0, 80));
   const mathErrors = Array.from(document.querySelectorAll("mjx-merror, [data-mjx-error]"))
-    .map((e) => e.getAttribute("data-mjx-error") || e.textContent);
+    .map((e) => e.getAttribute("data-mjx-error") || e.textContent)
+    .concat(Array.from(document.querySelectorAll("mjx-assistive-mml"))  // TeX typeset literally, e.g. \_
+      .map((e) => e.textContent).filter((t) => t.includes("\\")));
   const body = document.body.cloneNode(true);
   body.querySelectorAll("pre, code, script, style, mjx-container, .kvlab-jupyterlab-only").forEach((e) => e.remove());
   const text = document.querySelector("main") ? body.querySelector("main").innerText : body.innerText;
