@@ -11,13 +11,17 @@ from kvlab import measure, models, parallel, roofline, sizing
 
 
 @pytest.mark.parametrize(
-    "heads, kv_heads, tp",
-    [(4, 4, 2), (8, 2, 4), (8, 2, 8)],  # the last two copy KV heads
+    "family, heads, kv_heads, tp",
+    [("llama", 4, 4, 2), ("llama", 8, 2, 4), ("llama", 8, 2, 8), ("qwen2", 8, 2, 4)],  # the last three copy
 )
-def test_sharded_cache_and_weights_equal_prediction_in_process(heads, kv_heads, tp):
-    """Every rank's real DynamicCache and parameters, the sharding done in one process (sum as all-reduce)."""
+def test_sharded_cache_and_weights_equal_prediction_in_process(family, heads, kv_heads, tp):
+    """Every rank's real DynamicCache and parameters, the sharding done in one process (sum as all-reduce).
+
+    Qwen2 adds q/k/v biases (sliced with their rows) and a sliding window (the cache keeps window - 1 tokens).
+    """
+    window = {"window": 8} if family == "qwen2" else {}
     config = models.tiny_config(
-        "llama", layers=2, hidden=64, heads=heads, kv_heads=kv_heads, intermediate=128
+        family, layers=2, hidden=64, heads=heads, kv_heads=kv_heads, intermediate=128, **window
     )
     full = models.tiny_model(config=config, device="cpu", attn_implementation="sdpa")
     ids = torch.randint(2, 256, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -35,7 +39,7 @@ def test_sharded_cache_and_weights_equal_prediction_in_process(heads, kv_heads, 
             model(input_ids=ids, cache=cache, use_cache=True)
         assert measure.cache_tensor_bytes(cache) == sizing.kv_cache_bytes(config, 12, 2, "fp32", tp=tp)
         shapes = {row.shape for row in measure.cache_inventory(cache) if row.is_state}
-        assert shapes == {(2, max(1, kv_heads // tp), 12, 64 // heads)}
+        assert shapes == {(2, max(1, kv_heads // tp), 7 if window else 12, 64 // heads)}
         assert parallel.param_bytes(model) == sizing.weight_bytes_per_gpu(
             config, "fp32", tp=tp, vocab_parallel=False
         )
