@@ -26,7 +26,7 @@ ignored (each well under 1 % here); MoE experts are gated MLPs (3 × hidden × w
 real routers are skewed and so touch fewer distinct experts at a given batch.
 
 `hw` is a spec-sheet entry (`kvlab.hardware.get`), a name for one, or a `kvlab.hardware.measure()` result.
-Chapters: *Prefill and decode*, *Why decode is bandwidth-bound*.
+Chapters: *Prefill and decode*, *Why decode is bandwidth-bound*, *Beyond HBM*, *Many GPUs*.
 """
 
 from __future__ import annotations
