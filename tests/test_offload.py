@@ -85,6 +85,16 @@ def test_gpu_tiers_need_cuda():
         offload.gpu_copy("cpu")
 
 
+@pytest.mark.parametrize(
+    "name, spec",
+    [("NVIDIA H200", "H200"), ("NVIDIA H100 80GB HBM3", "H100-SXM"), ("NVIDIA H100 PCIe", "H100-PCIe"),
+     ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("Tesla T4", "T4"), ("NVIDIA GeForce RTX 4090", None)],
+)  # fmt: skip
+def test_gpu_names_map_to_spec_entries(name, spec):
+    found = offload._match_spec(name)
+    assert (found.name if found else None) == spec
+
+
 def test_measure_tiers_on_this_machine(tmp_path):
     tiers = offload.measure_tiers(size_bytes=4 * MiB, disk_bytes=4 * MiB, directory=tmp_path, repeat=2)
     assert {"RAM copy", "local disk", "local disk, page cache"} <= set(tiers)
@@ -201,6 +211,10 @@ def test_offload_cost_arithmetic(model):
     host = offload.offload_cost(model.config, 100, 3, "host", {"h2d": 25e9}, dtype="bf16")
     assert host.terms == {"host → device": pytest.approx(3 * 100 * 128 / 25e9)}
     assert host.disk_bytes_per_step == 0
+    host_lat = offload.offload_cost(
+        model.config, 100, 3, "host", {"h2d": 25e9}, dtype="bf16", link_latency_s=1e-5
+    )
+    assert host_lat.terms["copy latency"] == pytest.approx(4 * 3 * 1e-5)  # K, V out and K, V in, per layer
     none = offload.offload_cost(model.config, 10, 2, "disk", {"disk": 1e9, "ram": 4e9}, block_tokens=32,
                                 disk_latency_s=1e-3)  # fmt: skip
     assert none.terms["disk read"] == 0  # nothing on disk yet: no request, no latency
@@ -216,6 +230,7 @@ def test_offload_cost_arithmetic(model):
         (dict(offloaded_layers=4), "exceeds"),
         (dict(context=0), "context"),
         (dict(disk_latency_s=-1.0), "disk_latency_s"),
+        (dict(link_latency_s=True), "link_latency_s"),
     ],
 )
 def test_offload_cost_rejects_bad_input(model, kwargs, message):

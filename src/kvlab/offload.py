@@ -144,12 +144,14 @@ class TierBandwidth:
     method: str
     spec_bytes_per_s: float | None = None
     spec_source: str = ""
-    latency_samples: tuple[float, ...] = ()  # seconds of single smallest reads (disk only)
+    latency_samples: tuple[
+        float, ...
+    ] = ()  # seconds of single 4 KiB transfers (disk reads, host-link copies)
 
     @property
     def latency_s(self) -> float:
-        """Median seconds of one 4 KiB read issued after a burst of compute: what every request pays before its
-        bytes flow; 0 if unmeasured."""
+        """Median seconds of one 4 KiB transfer (on disk, a read issued after a burst of compute): what every
+        request pays before its bytes flow; 0 if unmeasured."""
         return median(self.latency_samples) if self.latency_samples else 0.0
 
     @property
@@ -220,12 +222,20 @@ def _require_cuda(device: torch.device, what: str) -> None:
 
 
 def _spec_for(device: torch.device) -> hardware.Accelerator | None:
-    """The spec-table entry whose name appears in this GPU's name (e.g. 'NVIDIA H200' -> H200), if any."""
+    """The spec-table entry for this GPU, if any: its family in the name ('NVIDIA H200' -> H200), and among
+    several of a family the variant named too ('H100 PCIe' -> H100-PCIe, 'A100-SXM4-80GB' -> A100-80GB), else the
+    first listed (H100 -> H100-SXM)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device).upper().replace(" ", "-")
-    matches = [spec for key, spec in hardware.SPECS.items() if key.upper().split("-")[0] in name]
-    return max(matches, key=lambda s: len(s.name), default=None) if matches else None
+    return _match_spec(torch.cuda.get_device_name(device))
+
+
+def _match_spec(device_name: str) -> hardware.Accelerator | None:
+    name = device_name.upper().replace(" ", "-")
+    family = [spec for key, spec in hardware.SPECS.items() if key.upper().split("-")[0] in name.split("-")]
+    variant = [spec for spec in family if "-" in spec.name and spec.name.upper().split("-", 1)[1] in name]
+    matches = variant or family
+    return matches[0] if matches else None
 
 
 def gpu_copy(
@@ -266,6 +276,12 @@ def host_link(
         times = _timed(lambda: gpu.copy_(host, non_blocking=pinned), _cuda_sync(device), repeat)
     else:
         times = _timed(lambda: host.copy_(gpu, non_blocking=pinned), _cuda_sync(device), repeat)
+    # Latency: one small synchronous copy, as a cache layer makes one per tensor per step.
+    small_host, small_gpu = host[: ALIGN // 4], gpu[: ALIGN // 4]
+    if to_device:
+        latencies = _timed(lambda: small_gpu.copy_(small_host), _cuda_sync(device), 16)
+    else:
+        latencies = _timed(lambda: small_host.copy_(small_gpu), _cuda_sync(device), 16)
     spec = _spec_for(device)
     arrow = "host → device" if to_device else "device → host"
     return TierBandwidth(
@@ -275,6 +291,7 @@ def host_link(
         "torch copy_ between CPU and GPU",
         spec.host_link_bytes_per_s if spec else None,
         f"{spec.name}: PCIe per direction ({spec.source})" if spec else "",
+        tuple(latencies),
     )
 
 
@@ -849,6 +866,7 @@ def offload_cost(
     dtype: DType = "fp32",
     block_tokens: int | None = None,
     disk_latency_s: float = 0.0,
+    link_latency_s: float = 0.0,
 ) -> OffloadCost:
     """Seconds per decode step that streaming `offloaded_layers` layers' K/V at `context` tokens adds.
 
@@ -858,7 +876,9 @@ def offload_cost(
     payload rate), on a GPU `"h2d"` (the upload from pageable memory; the reorder then runs on the GPU).
     `tier="host"` needs `"h2d"` (from pinned memory). Every hop given is charged; all full-attention layers are
     assumed the same size, as in the registry's models and the tiny ones. `disk_latency_s` is charged once per
-    offloaded layer that has a block on disk (one read request each).
+    offloaded layer that has a block on disk (one read request each). `link_latency_s`, the latency of one small
+    host-link copy, is charged four times per offloaded layer on the host tier (the new token's K and V copied out,
+    the layer's K and V copied in, each a synchronous copy).
     """
     if tier not in TIERS:
         raise ValueError(f"unknown tier {tier!r}; choose one of {', '.join(TIERS)}")
@@ -879,8 +899,9 @@ def offload_cost(
         )
     if block_tokens is not None:
         _check_size("block_tokens", block_tokens, 1)
-    if isinstance(disk_latency_s, bool) or not isinstance(disk_latency_s, (int, float)) or disk_latency_s < 0:
-        raise ValueError(f"disk_latency_s must be a non-negative number of seconds, got {disk_latency_s!r}")
+    for name, value in (("disk_latency_s", disk_latency_s), ("link_latency_s", link_latency_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
     per_layer = kv_cache_bytes(config, context, batch_size, dtype) // text.num_hidden_layers
     total = per_layer * offloaded_layers
     disk_tokens = context if block_tokens is None else context // block_tokens * block_tokens
@@ -892,6 +913,8 @@ def offload_cost(
             terms[_HOPS[hop]] = requests * disk_latency_s + disk_bytes / rate
         elif hop != "disk":
             terms[_HOPS[hop]] = total / rate
+    if tier == "host" and link_latency_s:
+        terms["copy latency"] = 4 * offloaded_layers * link_latency_s
     return OffloadCost(total, disk_bytes, terms)
 
 
