@@ -25,7 +25,12 @@ def configured_url() -> str:
 
 
 def notebooks() -> list[Path]:
-    return sorted(p for p in (ROOT / "book").rglob("*.ipynb") if "_build" not in p.parts)
+    # Skip build output and hidden folders (JupyterLab's .ipynb_checkpoints).
+    return sorted(
+        p
+        for p in (ROOT / "book").rglob("*.ipynb")
+        if "_build" not in p.parts and not any(part.startswith(".") for part in p.parts)
+    )
 
 
 def notebook_urls(path: Path) -> set[str]:
