@@ -19,7 +19,7 @@ weights, peak activation and memory outside PyTorch):
 6. **block rounding**: the pool holds whole blocks of `block_size` tokens, and a sequence holds whole blocks.
 
 `MemoryBudget` is the one place a KV budget is computed: `kvlab size --gpu`, the chapters' "N sequences fit"
-figures and the engine's pool all come from it. Chapters: *Active tokens* (book/05_active_tokens),
+figures and the engine's pool all come from it. Chapters: *Active tokens, not batch size* (book/05_active_tokens),
 *Long context* (book/06_long_context).
 """
 

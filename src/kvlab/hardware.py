@@ -8,7 +8,7 @@ figure is kept as `datasheet_memory_bytes`.
 Bandwidth and compute are the vendor's datasheet numbers in SI units (1 TB/s = 1e12 bytes/s). Compute is the
 dense figure (datasheets often headline the 2:4-sparse one, which is twice as large) in `flops_dtype`: bf16,
 or fp16 on parts without bf16 tensor cores. The host link is the PCIe bandwidth per direction.
-Chapters: *Why decode is bandwidth-bound* (book/04_bandwidth_bound), *Active tokens* (book/05_active_tokens).
+Chapters: *Why decode is bandwidth-bound* (book/04_bandwidth_bound), *Active tokens, not batch size* (book/05_active_tokens).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ per operator (Python and dispatch, 0.1-0.2 ms per layer on a 2-core CPU), which 
 MB hide; `DynamicCache` appends with `torch.cat`, so each step copies the whole cache once more on top of the
 one read the roofline counts; and skinny matmuls (2 to ~64 rows) run far below both the copy bandwidth and
 the square-matmul peak that `kvlab.hardware.measure` reports.
-Chapters: *Why decode is bandwidth-bound*, *Capacity planning*.
+Chapters: *Prefill and decode* (book/03_prefill_decode), *Why decode is bandwidth-bound* (book/04_bandwidth_bound).
 """
 
 from __future__ import annotations
