@@ -4,7 +4,8 @@ Per page of _build/html: every image loads; every local link and anchor resolves
 `{glue` is left in the text; MathJax typeset every equation; no JavaScript error; a full-page screenshot is saved
 under _build/screenshots/book/. Readability is reported, not asserted (labs own their figures), in
 _build/screenshots/readability.txt: figures whose tick text renders under 9 pt (estimated from kvlab.plot's
-sizes and the image's scale), numeric font sizes fixed in labs, and "chapter N" references that are not links.
+sizes and the image's scale), numeric font sizes fixed in labs, "chapter N" references that are not links, and
+display equations wider than the column.
 
 Run explicitly (`pytest tests/browser_book.py`): it needs the book built first.
 """
@@ -55,7 +56,10 @@ async () => {
       crossRefs.push(m[0]);
     }
   }
-  return {broken, figures, links, maths: maths.length, untypeset, mathErrors, text, crossRefs};
+  const wideMath = Array.from(document.querySelectorAll('mjx-container[display="true"]'))  // cut at the column
+    .filter((c) => c.querySelector("mjx-math").getBoundingClientRect().width > c.getBoundingClientRect().width + 1)
+    .map((c) => c.querySelector("mjx-assistive-mml")?.textContent);
+  return {broken, figures, links, maths: maths.length, untypeset, mathErrors, text, crossRefs, wideMath};
 }
 """
 
@@ -178,6 +182,7 @@ def test_every_page_reads_offline():
             problems += [f"{name}: MathJax error: {m!r}" for m in found["mathErrors"]]
             problems += [f"{name}: JavaScript console: {m}" for m in console]
             notes += [f"{name}: cross-reference not a link: {ref!r}" for ref in found["crossRefs"]]
+            notes += [f"{name}: equation wider than the column: {m!r}" for m in found["wideMath"]]
             for figure in found["figures"]:
                 pt = figure_text_pt(figure)
                 if pt is not None and pt < MIN_PT:
