@@ -175,6 +175,14 @@ def test_module_kv_bytes_reads_projections_not_config():
         expected_pool_bytes(model, -1)
 
 
+def test_tensor_bytes_counts_each_storage_once():
+    base = torch.zeros(4, 8)
+    assert tensor_bytes(base) == 128 and tensor_bytes(base[0], base[1:], base) == 128
+    assert tensor_bytes(base, torch.zeros(2, dtype=torch.float64)) == 144
+    with pytest.raises(TypeError, match="tensors"):
+        tensor_bytes([1, 2])
+
+
 def independent_fragmentation(lengths, block_size):
     """Last-block waste and table entries per sequence, from the lengths alone (no kvlab code): a sequence of n
     tokens needs (n + B - 1) // B blocks and leaves (-n) mod B slots of its last block empty."""
