@@ -213,3 +213,62 @@ def test_timing_helpers_on_a_tiny_model():
     # A sliding-window model whose window is already full is timed without cropping, and still runs.
     slide = tiny_model("mistral", layers=2, hidden=64, heads=4, window=8, device="cpu")
     assert len(timing.measure_decode_step(slide, context_len=20, repeat=2).seconds) == 2
+
+
+# --- the realistic cost model (issue 12) --------------------------------------------------------------------------
+
+PUBLISHED = __import__("json").loads(
+    (__import__("pathlib").Path(__file__).parent / "data" / "published_decode.json").read_text()
+)
+
+
+def test_realistic_model_lands_within_1_5x_of_published_decode_steps(capsys):
+    ratios = []
+    for case in PUBLISHED["expressed"]:
+        bound = roofline.decode_step_time(
+            case["model"], case["gpu"], case["batch"], case["context"], dtype=case["dtype"]
+        )
+        modelled = roofline.decode_step_time(
+            case["model"], case["gpu"], case["batch"], case["context"], dtype=case["dtype"], realistic=True
+        )
+        measured = case["step_ms"] / 1e3
+        ratios.append((case["name"], measured / bound, measured / modelled))
+    with capsys.disabled():
+        for name, vs_bound, vs_model in ratios:
+            print(f"\n{name}: measured/bound {vs_bound:.2f}, measured/realistic {vs_model:.2f}", end="")
+        print()
+    for name, vs_bound, vs_model in ratios:
+        assert 1 / 1.5 <= vs_model <= 1.5, (name, vs_model)
+        assert vs_bound > 1  # the bound stays a bound
+    spread = [r[2] for r in ratios]
+    assert max(spread) / min(spread) < 1.5
+    assert PUBLISHED["not_expressed"]  # the cases it cannot express are listed, with why
+
+
+def test_realistic_is_slower_than_the_bound_and_defaults_to_it():
+    for fn, kw in (
+        (roofline.decode_step_time, dict(batch_size=8, context_len=2048)),
+        (roofline.prefill_time, dict(batch_size=1, prompt_len=2048)),
+    ):
+        bound = fn(LLAMA3, "H100-SXM", **kw)
+        assert fn(LLAMA3, "H100-SXM", **kw, realistic=False) == bound
+        real = fn(LLAMA3, "H100-SXM", **kw, realistic=True)
+        assert real > bound + roofline.REALISM.step_overhead_s * 0.999
+
+
+def test_realistic_uses_the_fp8_peak_on_hopper():
+    spec = hardware.get("H100-SXM")
+    assert hardware.peak_flops(spec, "fp8") == pytest.approx(2 * hardware.peak_flops(spec, "bf16"), rel=1e-3)
+    assert hardware.peak_flops(hardware.get("A100-80GB"), "fp8") == hardware.get("A100-80GB").flops
+    # A compute-bound prefill: fp8 weights halve the compute term (and the weight bytes).
+    no_overhead = roofline.Realism(step_overhead_s=0.0)
+    bf16 = roofline.prefill_time(LLAMA3, spec, 1, 8192, dtype="bf16", realistic=True, realism=no_overhead)
+    fp8 = roofline.prefill_time(LLAMA3, spec, 1, 8192, dtype="fp8", realistic=True, realism=no_overhead)
+    assert fp8 == pytest.approx(bf16 / 2, rel=0.05)
+
+
+def test_realism_rejects_bad_shares():
+    with pytest.raises(ValueError, match="bandwidth_efficiency"):
+        roofline.Realism(bandwidth_efficiency=1.5)
+    with pytest.raises(ValueError, match="step_overhead_s"):
+        roofline.Realism(step_overhead_s=-1)

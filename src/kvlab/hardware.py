@@ -73,6 +73,9 @@ class Accelerator:
     memory_source: str = _SMI
     flops_dtype: str = "bf16"
     note: str = ""
+    # Dense fp8 tensor-core peak, FLOP/s: twice the bf16 figure on Ada, Hopper and Blackwell (the same datasheet,
+    # halving its with-sparsity fp8 figure); None where the part has no fp8 tensor cores (T4, A100).
+    fp8_flops: float | None = None
 
     @property
     def ridge_flops_per_byte(self) -> float:
@@ -102,6 +105,7 @@ _SPECS = [
         _PCIE4,
         None,
         "https://www.nvidia.com/en-us/data-center/l4/ (L4 datasheet: 242 TFLOPS bf16 with sparsity)",
+        fp8_flops=242.5 * TFLOPS,
     ),
     Accelerator(
         "A100-40GB",
@@ -134,6 +138,7 @@ _SPECS = [
         _PCIE5,
         900 * GB,
         "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet (H100 SXM column)",
+        fp8_flops=1978.9 * TFLOPS,
     ),
     Accelerator(
         "H100-PCIe",
@@ -145,6 +150,7 @@ _SPECS = [
         None,
         "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet (H100 PCIe column)",
         note="An NVLink bridge (600 GB/s) links pairs of cards; the table keeps the card alone.",
+        fp8_flops=1513 * TFLOPS,
     ),
     Accelerator(
         "H200",
@@ -155,6 +161,7 @@ _SPECS = [
         _PCIE5,
         900 * GB,
         "https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM datasheet column)",
+        fp8_flops=1978.9 * TFLOPS,
     ),
     Accelerator(
         "B200",
@@ -165,6 +172,7 @@ _SPECS = [
         _PCIE5,
         1800 * GB,
         "https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200 per-GPU figures: 4.5 PFLOPS bf16 sparse)",
+        fp8_flops=4500 * TFLOPS,
     ),
 ]
 SPECS: dict[str, Accelerator] = {spec.name: spec for spec in _SPECS}
@@ -176,6 +184,16 @@ def gpu_link_bytes_per_s(spec: Accelerator) -> float:
     if spec.interconnect_bytes_per_s is not None:
         return spec.interconnect_bytes_per_s / 2
     return spec.host_link_bytes_per_s
+
+
+def peak_flops(spec: Ceilings, dtype: str | None = None) -> float:
+    """Dense tensor-core peak for matmuls whose weights are `dtype`: the fp8 peak for fp8 weights on parts that
+    have one (the fp8 datasheet figures: 3,958 TFLOPS with sparsity on H100 SXM and H200, 3,026 on H100 PCIe,
+    9 PFLOPS on an HGX B200 GPU, 485 on L4; halved for dense), else `flops` (bf16/fp16; a measurement's own)."""
+    fp8 = getattr(spec, "fp8_flops", None)
+    if dtype is not None and str(dtype).lower().startswith(("fp8", "float8")) and fp8:
+        return float(fp8)
+    return float(spec.flops)
 
 
 def registry() -> list[str]:
