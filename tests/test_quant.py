@@ -181,7 +181,7 @@ def test_quantized_weights_leave_the_cache_unchanged_to_the_byte():
 
 
 @pytest.mark.parametrize("method", ["none", "hf-fp8", *quant.METHODS])
-@pytest.mark.parametrize("tokens", [40, 150])
+@pytest.mark.parametrize("tokens", [150])  # kivi2: 128 quantized, 22 in the residual
 def test_predicted_stored_bytes_equal_measured(method, tokens):
     model = models.tiny_model("llama", layers=2, hidden=256, heads=4, kv_heads=2, device="cpu")
     ids = torch.randint(0, 256, (1, tokens))

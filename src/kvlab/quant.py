@@ -454,6 +454,14 @@ def cache_factory(method: str | None, model: Any, **options: Any) -> CacheFactor
     return lambda: make_cache(method, config, **options)
 
 
+def evaluation_text() -> str:
+    """The English text chapter 11 scores the caches on: this book's introduction and chapters 1-9 (Markdown),
+    frozen in `kvlab/data/book_prose.txt` so that the figures do not move when the chapters are edited."""
+    from importlib.resources import files
+
+    return (files("kvlab") / "data" / "book_prose.txt").read_text(encoding="utf-8")
+
+
 @dataclass
 class Accuracy:
     """A cache variant against the full-precision cache on the same tokens (teacher-forced)."""
