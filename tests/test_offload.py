@@ -189,6 +189,19 @@ def test_host_offload_matches_in_memory_and_transformers_offloading():
     assert ref.tokens == run.tokens == hf.tokens
 
 
+def test_host_layer_returns_the_history_it_was_given():
+    # On CPU the host tier is refused by OffloadedCache (there is no link); the layer itself still round-trips.
+    layer = offload.HostLayer()
+    keys = torch.randn(2, 3, 70, 8)
+    values = torch.randn(2, 3, 70, 8)
+    k, v = layer.update(keys[:, :, :65], values[:, :, :65])
+    for t in range(65, 70):  # one token at a time, past the first capacity (64)
+        k, v = layer.update(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+    assert torch.equal(k, keys) and torch.equal(v, values)
+    assert layer.get_seq_length() == 70 and layer.stored_bytes() == 2 * keys.nbytes
+    assert layer.bytes_streamed == sum(2 * keys[:, :, :n].nbytes for n in range(65, 71))
+
+
 def test_decode_rejects_bad_input(model):
     with pytest.raises(ValueError, match="new_tokens"):
         offload.decode(model, _ids(4), 0)
@@ -214,7 +227,7 @@ def test_offload_cost_arithmetic(model):
     host_lat = offload.offload_cost(
         model.config, 100, 3, "host", {"h2d": 25e9}, dtype="bf16", link_latency_s=1e-5
     )
-    assert host_lat.terms["copy latency"] == pytest.approx(4 * 3 * 1e-5)  # K, V out and K, V in, per layer
+    assert host_lat.terms["copy latency"] == pytest.approx(2 * 3 * 1e-5)  # new K/V out, the layer's K/V in
     none = offload.offload_cost(model.config, 10, 2, "disk", {"disk": 1e9, "ram": 4e9}, block_tokens=32,
                                 disk_latency_s=1e-3)  # fmt: skip
     assert none.terms["disk read"] == 0  # nothing on disk yet: no request, no latency

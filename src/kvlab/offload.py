@@ -529,42 +529,44 @@ class _TierLayer(DynamicLayer):
 
 
 class HostLayer(_TierLayer):
-    """K/V in pinned host memory; every update copies the new tokens out and the whole layer back in."""
+    """K/V in pinned host memory, token-major; every update copies the new tokens out and the whole layer back in.
+
+    Token-major storage, (tokens, 2, batch, heads, dim), keeps every prefix of the history one contiguous block of
+    pinned memory, so each step is exactly two copies: the new tokens' K and V out, the layer's K and V in. The
+    reordering to (batch, heads, tokens, dim) then runs on the device.
+    """
 
     tier = "host"
 
     def __init__(self) -> None:
         super().__init__()
-        self._keys_host: torch.Tensor | None = None
-        self._values_host: torch.Tensor | None = None
+        self._host: torch.Tensor | None = None
 
     def _grow(self, needed: int) -> None:
-        capacity = 0 if self._keys_host is None else self._keys_host.shape[2]
+        capacity = 0 if self._host is None else self._host.shape[0]
         if needed <= capacity:
             return
-        batch, heads, head_dim = self._shape
         new_capacity = max(needed, 2 * capacity, 64)
-        pin = torch.cuda.is_available()
-        keys = torch.empty(batch, heads, new_capacity, head_dim, dtype=self._dtype, pin_memory=pin)
-        values = torch.empty_like(keys, pin_memory=pin)
-        if self._keys_host is not None and self._values_host is not None:
-            keys[:, :, : self.length] = self._keys_host[:, :, : self.length]
-            values[:, :, : self.length] = self._values_host[:, :, : self.length]
-        self._keys_host, self._values_host = keys, values
+        host = torch.empty(
+            new_capacity, 2, *self._shape, dtype=self._dtype, pin_memory=torch.cuda.is_available()
+        )
+        if self._host is not None:
+            host[: self.length] = self._host[: self.length]
+        self._host = host
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         new = key_states.shape[2]
         self._grow(self.length + new)
-        assert self._keys_host is not None and self._values_host is not None
-        self._keys_host[:, :, self.length : self.length + new].copy_(key_states)
-        self._values_host[:, :, self.length : self.length + new].copy_(value_states)
+        assert self._host is not None
+        self._host[self.length : self.length + new].copy_(
+            torch.stack([key_states, value_states]).permute(3, 0, 1, 2, 4)
+        )
         self.length += new
-        keys = self._keys_host[:, :, : self.length].to(self.device)
-        values = self._values_host[:, :, : self.length].to(self.device)
-        self.bytes_streamed += keys.nbytes + values.nbytes
-        return keys, values
+        kv = self._host[: self.length].to(self.device).permute(1, 2, 3, 0, 4).contiguous()
+        self.bytes_streamed += kv.nbytes
+        return kv[0], kv[1]
 
 
 class DiskLayer(_TierLayer):
@@ -877,8 +879,8 @@ def offload_cost(
     `tier="host"` needs `"h2d"` (from pinned memory). Every hop given is charged; all full-attention layers are
     assumed the same size, as in the registry's models and the tiny ones. `disk_latency_s` is charged once per
     offloaded layer that has a block on disk (one read request each). `link_latency_s`, the latency of one small
-    host-link copy, is charged four times per offloaded layer on the host tier (the new token's K and V copied out,
-    the layer's K and V copied in, each a synchronous copy).
+    host-link copy, is charged twice per offloaded layer on the host tier (the new token's K and V copied out, the
+    layer's K and V copied in, each one synchronous copy).
     """
     if tier not in TIERS:
         raise ValueError(f"unknown tier {tier!r}; choose one of {', '.join(TIERS)}")
@@ -914,7 +916,7 @@ def offload_cost(
         elif hop != "disk":
             terms[_HOPS[hop]] = total / rate
     if tier == "host" and link_latency_s:
-        terms["copy latency"] = 4 * offloaded_layers * link_latency_s
+        terms["copy latency"] = 2 * offloaded_layers * link_latency_s
     return OffloadCost(total, disk_bytes, terms)
 
 
