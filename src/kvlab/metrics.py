@@ -39,17 +39,22 @@ class RequestMetrics:
     def num_output_tokens(self) -> int:
         return len(self.token_times)
 
+    def _since_arrival(self, time: float | None, event: str) -> float:
+        if time is None:
+            raise ValueError(f"request has no {event} yet: its latency is not defined until it happens")
+        return time - self.arrival_time
+
     @property
     def ttft(self) -> float:
-        return self.first_token_time - self.arrival_time
+        return self._since_arrival(self.first_token_time, "first token")
 
     @property
     def e2e_latency(self) -> float:
-        return self.finish_time - self.arrival_time
+        return self._since_arrival(self.finish_time, "finish")
 
     @property
     def queue_time(self) -> float:
-        return self.first_scheduled_time - self.arrival_time
+        return self._since_arrival(self.first_scheduled_time, "first scheduling")
 
     @property
     def itls(self) -> list[float]:
@@ -78,7 +83,7 @@ class SLO:
 
 def duration(requests: Sequence[RequestMetrics]) -> float:
     """Seconds from the first arrival to the last finish: the benchmark's wall time."""
-    return max(r.finish_time for r in requests) - min(r.arrival_time for r in requests)
+    return max(r.arrival_time + r.e2e_latency for r in requests) - min(r.arrival_time for r in requests)
 
 
 def _stats(name: str, seconds: Sequence[float], qs: Sequence[float]) -> dict[str, float]:
