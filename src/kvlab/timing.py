@@ -14,16 +14,17 @@ Chapters: *Prefill and decode* (book/03_prefill_decode), *Why decode is bandwidt
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, PreTrainedModel
 
 from kvlab.arch import describe
 from kvlab.hardware import Accelerator, Measurement
 from kvlab.measure import Timer, percentiles
-from kvlab.roofline import StepEstimate, decode_step
+from kvlab.roofline import REALISM, Realism, StepEstimate, decode_step
 from kvlab.sizing import check_count
 
 
@@ -145,3 +146,76 @@ def compare_decode(
             predicted = decode_step(model.config, hw, batch, context, dtype=model.dtype)
             rows.append(DecodeComparison(measured, predicted))
     return rows
+
+
+# --- The fixed per-step overhead, measured ------------------------------------------------------------------------
+#
+# A decode step launches the same kernels (and runs the same Python) whatever the widths: a model with the same
+# layers and heads but tiny widths reads almost no bytes, so its step time is the fixed cost per step. That
+# is the term `kvlab.roofline.Realism.step_overhead_s` adds to the bandwidth-and-compute bound; here it is
+# measured on the device instead of taken from the calibration figures.
+
+# Width fields shrunk to these values; layer and head counts (what sets the number of kernel launches) are kept.
+_HOLLOW_WIDTHS = {
+    "head_dim": 8,
+    "intermediate_size": 16,
+    "moe_intermediate_size": 16,
+    "vocab_size": 32,
+}
+
+
+def hollow_config(config: PretrainedConfig) -> PretrainedConfig:
+    """`config` with its layers and heads but every width at a few elements: its decode step costs the fixed
+    per-step overhead (launches, dispatch, the host loop) and almost no memory traffic."""
+    hollow = copy.deepcopy(config.get_text_config(decoder=True))
+    heads = getattr(hollow, "num_attention_heads", None)
+    if not heads:
+        raise ValueError(f"{type(config).__name__} has no num_attention_heads: cannot build its hollow twin")
+    for name, value in _HOLLOW_WIDTHS.items():
+        if getattr(hollow, name, None) is not None:
+            setattr(hollow, name, value)
+    hollow.hidden_size = heads * _HOLLOW_WIDTHS["head_dim"]
+    return hollow
+
+
+@dataclass(frozen=True)
+class StepOverhead:
+    """The measured fixed cost of one decode step on a device."""
+
+    timing: StepTiming  # decode steps of the hollow model at batch 1, context 1
+    layers: int
+    bound_s: float  # the hollow step's own roofline bound (0 without hardware figures), subtracted
+
+    @property
+    def step_s(self) -> float:
+        """Seconds per step that neither bandwidth nor compute explains (median step minus its bound)."""
+        return max(self.timing.median_s - self.bound_s, 0.0)
+
+    @property
+    def per_layer_s(self) -> float:
+        return self.step_s / self.layers
+
+    def realism(self, base: Realism | None = None) -> Realism:
+        """The realistic cost model (`kvlab.roofline.realistic_time`) with this measured overhead per step."""
+        return replace(REALISM if base is None else base, step_overhead_s=self.step_s)
+
+
+def measure_step_overhead(
+    model: PreTrainedModel,
+    hw: Accelerator | Measurement | None = None,
+    repeat: int = 20,
+    warmup: int = 3,
+    seed: int = 0,
+) -> StepOverhead:
+    """Time decode steps of `model`'s hollow twin (same layers and heads, tiny widths; `hollow_config`) on the
+    model's device, dtype and attention implementation. With `hw`, the hollow step's roofline bound is
+    subtracted (it is microseconds at most)."""
+    config = hollow_config(model.config)
+    torch.manual_seed(seed)
+    attn = getattr(model.config, "_attn_implementation", None)
+    hollow = AutoModelForCausalLM.from_config(config, dtype=model.dtype, attn_implementation=attn)
+    torch.nn.Module.to(hollow, model.device)
+    hollow.eval()
+    timing = measure_decode_step(hollow, 1, 1, repeat=repeat, warmup=warmup, seed=seed)
+    bound = decode_step(config, hw, 1, 1, dtype=model.dtype).time_s if hw is not None else 0.0
+    return StepOverhead(timing, int(config.num_hidden_layers), bound)
