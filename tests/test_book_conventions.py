@@ -101,3 +101,13 @@ def test_bounds_are_never_rounded_the_wrong_way(value, decimals, lower, upper):
     assert format_floor(value, decimals) == lower
     assert format_ceil(value, decimals) == upper
     assert float(lower.replace(",", "")) <= value <= float(upper.replace(",", ""))
+
+
+def test_readme_module_map_matches_the_code():
+    # The README's module table names every public module of src/kvlab, and only modules that exist.
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| module |") :].split("\n\n", 1)[0]
+    named = set(re.findall(r"`kvlab\.([a-z_]+)`", table))
+    modules = {p.stem for p in (ROOT / "src" / "kvlab").glob("*.py") if not p.stem.startswith("_")}
+    assert named - modules == set(), "README names modules that do not exist"
+    assert modules - {"cli", "env"} - named == set(), "modules missing from the README's module map"
