@@ -125,3 +125,66 @@ def test_bad_parallel_sizes_in_process(argv, message, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and err[0].startswith("kvlab: error:")
+
+
+# --- kvlab plan (issue 12) ------------------------------------------------------------------------------------------
+
+
+def test_plan_report(capsys):
+    argv = ["plan", "meta-llama/Llama-3.1-8B", "--gpu", "H100-SXM", "--context", "8k", "--ttft", "500ms"]
+    argv += ["--itl", "50ms", "--rate", "2/s", "--requests", "40", "--input-len", "200", "--output-len", "40"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    for term in (
+        "memory budget",
+        "KV pool",
+        "sequences of 8,192 tokens",
+        "vLLM's",
+        "TTFT",
+        "E2EL",
+        "goodput",
+    ):
+        assert term in out
+    assert "targets      TTFT <= 500 ms, TPOT <= 50 ms for 99% of requests: met" in out
+    assert "1 × H100-SXM" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["meta-llama/Llama-3.1-70B", "--gpu", "H100-SXM", "--ttft", "500ms", "--rate", "1/s"],
+            "does not fit one",
+        ),
+        (
+            [
+                "meta-llama/Llama-3.1-8B",
+                "--gpu",
+                "H100-SXM",
+                "--itl",
+                "1ms",
+                "--rate",
+                "1/s",
+                "--requests",
+                "10",
+            ],
+            "no GPU count meets",
+        ),
+        (["meta-llama/Llama-3.1-8B", "--gpu", "H100-SXM", "--rate=-2/s"], "positive request rate"),
+        (
+            ["meta-llama/Llama-3.1-8B", "--gpu", "H100-SXM", "--rate", "1/s", "--requests", "0"],
+            "positive integer",
+        ),
+        (["meta-llama/Llama-3.1-8B", "--gpu", "H100-SXM", "--rate", "1/s", "--ttft", "fast"], "duration"),
+        (["meta-llama/Llama-3.1-8B", "--gpu", "Z100", "--rate", "1/s"], "unknown accelerator"),
+    ],
+    ids=["no-fit", "unreachable", "negative-rate", "empty", "bad-target", "bad-gpu"],
+)
+def test_plan_bad_input(capsys, argv, message):
+    try:
+        code = cli.main(["plan", *argv])
+    except SystemExit as stop:  # argparse's own checks of argument types
+        code = stop.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1]

@@ -1,5 +1,8 @@
 """`kvlab size MODEL --context 32k --batch 16 --kv-dtype fp8 --gpu H100-SXM [--tp 8 --pp 2]`: the sizing chapter
-in one line; with `--tp`/`--pp`, what ONE GPU holds (chapter *Many GPUs*)."""
+in one line; with `--tp`/`--pp`, what ONE GPU holds (chapter *Many GPUs*).
+
+`kvlab plan MODEL --gpu H100-SXM --context 8k --ttft 500ms --itl 50ms --rate 4/s`: a capacity plan against
+latency targets (`kvlab.plan`, chapter *Capacity planning*)."""
 
 from __future__ import annotations
 
@@ -42,6 +45,143 @@ def _tokens(text: str) -> int:
         return parse_tokens(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _millis(text: str) -> float:
+    """'500ms', '0.5s' or a bare number of milliseconds."""
+    raw = text.strip().lower()
+    scale = 1.0
+    if raw.endswith("ms"):
+        raw = raw[:-2]
+    elif raw.endswith("s"):
+        raw, scale = raw[:-1], 1e3
+    try:
+        value = float(raw) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a duration such as 500ms or 0.5s, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive duration, got {text!r}")
+    return value
+
+
+def _rate(text: str) -> float:
+    """'4/s', '4' (requests per second) or '240/min'."""
+    raw = text.strip().lower()
+    scale = 1.0
+    if raw.endswith("/min"):
+        raw, scale = raw[:-4], 1 / 60
+    elif raw.endswith("/s"):
+        raw = raw[:-2]
+    try:
+        value = float(raw) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a request rate such as 4/s, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive request rate, got {text!r}")
+    return value
+
+
+def _length(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a mean length in tokens, got {text!r}") from None
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"expected a mean length of at least 1 token, got {text!r}")
+    return value
+
+
+def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="a registry name (see `kvlab models`) or a Hugging Face id")
+    p.add_argument("--gpu", type=_gpu, required=True, help=f"one of {', '.join(hardware.registry())}")
+    p.add_argument("--context", type=_tokens, default=8192, help="max_model_len, e.g. 8k")
+    p.add_argument("--ttft", type=_millis, help="TTFT target, e.g. 500ms")
+    p.add_argument("--itl", type=_millis, help="ITL target, checked on each request's TPOT, e.g. 50ms")
+    p.add_argument("--e2el", type=_millis, help="end-to-end latency target, e.g. 20s")
+    p.add_argument(
+        "--percentile", type=float, default=99.0, help="share of requests that must meet them (99)"
+    )
+    load = p.add_mutually_exclusive_group(required=True)
+    load.add_argument("--rate", type=_rate, help="Poisson arrival rate, e.g. 4/s")
+    load.add_argument("--concurrency", type=_positive_int, help="requests in flight (closed loop)")
+    p.add_argument("--input-len", type=_length, default=161.31, help="mean prompt tokens (ShareGPT's 161.31)")
+    p.add_argument(
+        "--output-len", type=_length, default=337.99, help="mean output tokens (ShareGPT's 337.99)"
+    )
+    p.add_argument("--requests", type=_positive_int, default=200, help="requests simulated per run")
+    p.add_argument(
+        "--prefix-fraction", type=_share, default=0.0, help="share of requests with a shared prefix"
+    )
+    p.add_argument("--prefix-len", type=_nonnegative_int, default=0, help="tokens of that shared prefix")
+    p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel GPUs per replica")
+    p.add_argument(
+        "--dp", type=_positive_int, help="data-parallel replicas (default: the smallest meeting the targets)"
+    )
+    p.add_argument("--max-gpus", type=_positive_int, default=64, help="search limit on tp × dp")
+    p.add_argument("--weight-dtype", default="bf16", choices=["fp32", "fp16", "bf16", "fp8", "int8"])
+    p.add_argument("--kv-dtype", default="bf16", choices=["fp32", "fp16", "bf16", "fp8", "int8"])
+    p.add_argument("--max-num-seqs", type=_positive_int, default=budget.MAX_NUM_SEQS)
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=budget.MAX_NUM_BATCHED_TOKENS)
+    p.add_argument("--block-size", type=_positive_int, default=budget.BLOCK_SIZE)
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=budget.GPU_MEMORY_UTILIZATION)
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+
+
+def plan_report(args: argparse.Namespace) -> str:
+    """The text `kvlab plan` prints (`kvlab.plan.plan`)."""
+    from kvlab import plan
+
+    targets = plan.Targets(args.ttft, args.itl, args.e2el, args.percentile)
+    workload = plan.Workload(
+        mean_input=args.input_len,
+        mean_output=args.output_len,
+        rate=args.rate,
+        concurrency=args.concurrency,
+        num_requests=args.requests,
+        prefix_fraction=args.prefix_fraction,
+        prefix_len=args.prefix_len,
+    )
+    engine = plan.Engine(
+        args.max_num_seqs,
+        args.max_num_batched_tokens,
+        args.block_size,
+        args.gpu_memory_utilization,
+        not args.no_prefix_caching,
+    )
+    result = plan.plan(
+        args.model,
+        args.gpu,
+        context=args.context,
+        workload=workload,
+        targets=targets,
+        tp=args.tp,
+        dp=args.dp,
+        max_gpus=args.max_gpus,
+        weight_dtype=args.weight_dtype,
+        kv_dtype=args.kv_dtype,
+        engine=engine,
+    )
+    return result.report()
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
 
 
 def size_report(
@@ -187,6 +327,14 @@ def main(argv: list[str] | None = None) -> int:
         "--tp", type=_positive_int, help="tensor-parallel GPUs: print what one GPU holds (vLLM's sharding)"
     )
     size.add_argument("--pp", type=_positive_int, help="pipeline stages: print the largest stage's GPU")
+    _add_plan_arguments(
+        sub.add_parser("plan", help="capacity plan against latency targets (modelled: kvlab.simulate)")
+    )
+    from kvlab import diagnose
+
+    diagnose.add_arguments(
+        sub.add_parser("diagnose", help="which KV-cache lever applies first to a workload, and why (kvlab.diagnose)")
+    )
     sub.add_parser("models", help="list the offline registry")
     sweep.add_arguments(sub.add_parser("sweep", help="run a lab over a parameter grid; glued scalars to CSV"))
     args = parser.parse_args(argv)
@@ -195,6 +343,12 @@ def main(argv: list[str] | None = None) -> int:
             return sweep.main(args)
         if args.command == "models":
             print("\n".join(arch.registry()))
+        elif args.command == "diagnose":
+            from kvlab import diagnose
+
+            print(diagnose.diagnose(diagnose.workload_from_args(args)).report())
+        elif args.command == "plan":
+            print(plan_report(args))
         else:
             print(
                 size_report(

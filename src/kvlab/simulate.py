@@ -151,13 +151,16 @@ class SimulationResult:
     peak_blocks_used: int = 0
     step_seconds: list[float] = field(default_factory=list)
     queued: list[int] = field(default_factory=list)  # requests arrived and waiting, after each step
+    mean_running_unrecorded: float | None = None  # mean running sequences when steps were not recorded
 
     def summary(self, slo: SLO | None = None, qs: Sequence[float] = (50, 95, 99)) -> dict[str, float]:
         out = summarize(self.requests, slo=slo, qs=qs)
         out["num_preemptions"] = self.num_preemptions
         out["peak_kv_utilisation"] = self.peak_blocks_used / self.num_blocks
         out["mean_running"] = (
-            float(np.mean([s.num_running for s in self.step_stats])) if self.step_stats else 0.0
+            float(np.mean([s.num_running for s in self.step_stats]))
+            if self.step_stats
+            else (self.mean_running_unrecorded or 0.0)
         )
         out["max_queued"] = max(self.queued, default=0)
         return out
@@ -186,12 +189,17 @@ def simulate(
     enable_chunked_prefill: bool = True,
     scheduler_reserve_full_isl: bool = False,
     scheduling: str = "continuous",
+    concurrency: int | None = None,
+    record_steps: bool = True,
     max_steps: int = 10_000_000,
 ) -> SimulationResult:
     """Replay `trace` through kvlab's scheduler and block manager on a virtual clock charged by `cost`.
 
     The knobs are `kvlab.config.EngineConfig`'s, with the pool given in blocks (`kvlab.budget.MemoryBudget
-    .num_blocks` for a GPU). `max_model_len` defaults to what the pool holds. A request that can never fit
+    .num_blocks` for a GPU). `max_model_len` defaults to what the pool holds. With `concurrency`, the load is a
+    closed loop (vLLM's `--max-concurrency` with `--request-rate inf`): the first `concurrency` requests arrive at
+    0 and each finish lets the next one in, at that moment; the trace's arrival times are ignored.
+    `record_steps=False` skips the per-step statistics (`StepStats`), several times faster for long traces. A request that can never fit
     (prompt not shorter than `max_model_len`) is an error here, not a silent drop.
     """
     _check_trace(trace)
@@ -216,17 +224,28 @@ def simulate(
         ),
         block_manager,
     )
-    seqs = []
-    for r in trace:
+    if concurrency is not None and (isinstance(concurrency, bool) or concurrency < 1):
+        raise ValueError(f"concurrency must be a positive integer, got {concurrency!r}")
+    seqs: list[Seq] = []
+    pending = list(trace)[::-1]  # popped from the end: trace order
+
+    def admit(arrival: float) -> None:
+        r = pending.pop()
         seq = Seq(
-            list(r.prompt_token_ids), SamplingParams(max_tokens=r.max_tokens, ignore_eos=True), r.arrival_time
+            list(r.prompt_token_ids),
+            SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
+            r.arrival_time if concurrency is None else arrival,
         )
         scheduler.add(seq)
         seqs.append(seq)
+
+    for _ in range(len(pending) if concurrency is None else min(concurrency, len(pending))):
+        admit(0.0)
     now = 0.0
     stats: list[StepStats] = []
     step_seconds: list[float] = []
     queued: list[int] = []
+    running_sum = 0
     peak = 0
     for _ in range(max_steps):
         if not scheduler.has_unfinished():
@@ -257,22 +276,27 @@ def simulate(
             if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
                 seq.metrics.finish_time = now
                 scheduler.finish(seq, "length")
-        queued.append(sum(s.arrival_time <= now for s in scheduler.waiting))
-        stats.append(
-            StepStats(
-                step=len(stats),
-                time=now,
-                num_running=len(scheduler.running),
-                num_waiting=len(scheduler.waiting),
-                num_batched_tokens=batch.num_batched_tokens,
-                num_prefill_tokens=sum(n for n in batch.num_new_tokens if n > 1),
-                num_decode_seqs=sum(n == 1 for n in batch.num_new_tokens),
-                num_preempted=len(batch.preempted),
-                blocks_used=block_manager.num_used_blocks,
-                used_token_slots=block_manager.used_token_slots(scheduler.running),
-                reserved_token_slots=block_manager.num_used_blocks * block_size,
+                if pending:
+                    admit(now)
+        if record_steps:
+            queued.append(sum(s.arrival_time <= now for s in scheduler.waiting))
+            stats.append(
+                StepStats(
+                    step=len(stats),
+                    time=now,
+                    num_running=len(scheduler.running),
+                    num_waiting=len(scheduler.waiting),
+                    num_batched_tokens=batch.num_batched_tokens,
+                    num_prefill_tokens=sum(n for n in batch.num_new_tokens if n > 1),
+                    num_decode_seqs=sum(n == 1 for n in batch.num_new_tokens),
+                    num_preempted=len(batch.preempted),
+                    blocks_used=block_manager.num_used_blocks,
+                    used_token_slots=block_manager.used_token_slots(scheduler.running),
+                    reserved_token_slots=block_manager.num_used_blocks * block_size,
+                )
             )
-        )
+        else:
+            running_sum += len(scheduler.running)
     else:
         raise RuntimeError(f"simulation did not finish in {max_steps} steps")
     return SimulationResult(
@@ -284,6 +308,7 @@ def simulate(
         peak,
         step_seconds,
         queued,
+        running_sum / max(len(step_seconds), 1) if not record_steps else None,
     )
 
 

@@ -1,0 +1,456 @@
+"""Capacity planning against latency targets: `plan(...)` and `kvlab plan`.
+
+Given a model, a GPU, a parallel layout, dtypes, engine settings, a workload and latency targets, `plan`
+
+1. computes the memory budget line by line (`kvlab.budget.memory_budget`, the one budget function) and the KV
+   pool in blocks and tokens;
+2. gives the maximum concurrency at the target context two ways: whole sequences in whole blocks (`MemoryBudget
+   .max_sequences`), and vLLM's start-up figure ("Maximum concurrency for N tokens per request": pool tokens / N).
+   Both are worst-case memory bounds (every request at the full context), not latency predictions;
+3. predicts TTFT, ITL, TPOT and E2EL percentiles (vLLM's names) by simulating one data-parallel replica with
+   `kvlab.simulate` (kvlab's own scheduler and block manager) on a step cost from `kvlab.roofline`'s realistic
+   model: modelled, not measured;
+4. goodput as DistServe defines it (Zhong et al., 2024, "DistServe", OSDI, arXiv:2401.09670): the highest request
+   rate at which the share `attainment` of requests meets every target, found by bisection over the rate;
+5. the smallest data-parallel GPU count meeting the targets at the offered rate, found by search;
+6. which constraint binds: memory (the pool runs short: preemptions, a full pool), queueing (requests wait
+   longer than they compute), compute or bandwidth (the step's roofline term at the batch it runs).
+
+Data-parallel replicas split the arrival rate evenly (each sees a Poisson stream of rate / dp); tensor
+parallelism shrinks each GPU's weights, KV and FLOPs (`kvlab.sizing` `tp`) and adds no link time here (see
+`kvlab.roofline.tp_decode_step` for that term). Chapter: *Capacity planning* (book/14_capacity_planning).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvlab import budget, hardware, roofline, sizing
+from kvlab.arch import resolve
+from kvlab.metrics import SLO, RequestMetrics
+from kvlab.simulate import SimulationResult, simulate
+from kvlab.workloads import LengthProfile, TraceRequest, synthetic_trace
+
+
+class PlanError(ValueError):
+    """A plan that cannot be made: the message says why in one line."""
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Latency targets in milliseconds (None: no target) met by `percentile` % of requests."""
+
+    ttft_ms: float | None = None
+    itl_ms: float | None = None  # checked on each request's TPOT (mean ITL), as vLLM's goodput does
+    e2el_ms: float | None = None
+    percentile: float = 99.0
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "itl_ms", "e2el_ms"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise PlanError(f"target {name} must be a positive number of milliseconds, got {value!r}")
+        if not 0 < self.percentile <= 100:
+            raise PlanError(f"percentile must be in (0, 100], got {self.percentile!r}")
+
+    @property
+    def slo(self) -> SLO:
+        return SLO(ttft_ms=self.ttft_ms, tpot_ms=self.itl_ms, e2el_ms=self.e2el_ms)
+
+    def attainment(self, requests: Sequence[RequestMetrics]) -> float:
+        """Share of requests meeting every target."""
+        slo = self.slo
+        return sum(slo.met_by(r) for r in requests) / len(requests)
+
+    def met(self, requests: Sequence[RequestMetrics]) -> bool:
+        return self.attainment(requests) >= self.percentile / 100 - 1e-12
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Mean prompt and output lengths (lognormal, as `kvlab.workloads`), an arrival rate (requests/s) or a fixed
+    concurrency (closed loop), and a share of requests starting with one shared prefix of `prefix_len` tokens."""
+
+    mean_input: float = 161.31  # ShareGPT, PagedAttention paper (arXiv:2309.06180) §6.1
+    mean_output: float = 337.99
+    sigma: float = 0.9
+    rate: float | None = None
+    concurrency: int | None = None
+    num_requests: int = 300
+    prefix_fraction: float = 0.0
+    prefix_len: int = 0
+    max_input_len: int | None = None
+    max_output_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1:
+            raise PlanError(f"the workload is empty: num_requests must be >= 1, got {self.num_requests}")
+        if not (self.mean_input >= 1 and self.mean_output >= 1):
+            raise PlanError(
+                f"mean input and output lengths must be >= 1 token, got {self.mean_input}, {self.mean_output}"
+            )
+        if (self.rate is None) == (self.concurrency is None):
+            raise PlanError("give exactly one of an arrival rate (requests/s) or a concurrency")
+        if self.rate is not None and not self.rate > 0:
+            raise PlanError(f"the arrival rate must be positive, got {self.rate!r}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise PlanError(f"concurrency must be >= 1, got {self.concurrency!r}")
+        if not 0 <= self.prefix_fraction <= 1 or self.prefix_len < 0:
+            raise PlanError("prefix_fraction must be in [0, 1] and prefix_len >= 0")
+
+    def trace(self, rate: float | None = None, vocab_size: int = 32000) -> list[TraceRequest]:
+        """A seeded trace of this workload at `rate` requests/s (None: all at t=0, for a closed loop)."""
+        profile = LengthProfile("plan", self.mean_input, self.mean_output, self.sigma)
+        return synthetic_trace(
+            self.num_requests,
+            profile,
+            request_rate=math.inf if rate is None else float(rate),
+            vocab_size=vocab_size,
+            seed=self.seed,
+            shared_prefix_len=self.prefix_len,
+            shared_prefix_fraction=self.prefix_fraction,
+            max_input_len=self.max_input_len,
+            max_output_len=self.max_output_len,
+        )
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The engine knobs a plan needs (vLLM's names and defaults, `kvlab.budget`)."""
+
+    max_num_seqs: int = budget.MAX_NUM_SEQS
+    max_num_batched_tokens: int = budget.MAX_NUM_BATCHED_TOKENS
+    block_size: int = budget.BLOCK_SIZE
+    gpu_memory_utilization: float = budget.GPU_MEMORY_UTILIZATION
+    enable_prefix_caching: bool = True
+
+
+class RooflineStepCost:
+    """A GPU step under `kvlab.roofline`'s realistic model, for a batch of chunks and decodes on one TP group.
+
+    Per step: every weight byte of one GPU's share read once; each scheduled sequence's cache read up to its
+    context (`kvlab.sizing.kv_bytes_per_token` per GPU, growing linearly: sliding-window caps are ignored, an
+    overestimate for hybrid models); 2 FLOP per active weight per new token (logits only for sampling rows) plus
+    attention over the context, split `tp` ways; max(compute, memory) over achievable ceilings, plus overhead.
+    """
+
+    def __init__(
+        self,
+        config: roofline.Config,
+        gpu: str | hardware.Accelerator,
+        dtype: str = "bf16",
+        kv_dtype: str = "bf16",
+        tp: int = 1,
+        realism: roofline.Realism | None = None,
+    ) -> None:
+        config = resolve(config)
+        acc = hardware.get(gpu) if isinstance(gpu, str) else gpu
+        self.realism = roofline.REALISM if realism is None else realism
+        cost = roofline.model_cost(config)
+        text = config.get_text_config(decoder=True)
+        # An untied input-embedding table is gathered, not read whole (as kvlab.roofline counts it); the rows a
+        # step gathers are a few KiB per token and are left out.
+        gathered_only = cost.input_embedding_params * sizing.dtype_bytes(dtype) / tp
+        self.weight_bytes = float(sizing.weight_bytes_per_gpu(text, dtype, tp=tp)) - gathered_only
+        self.kv_per_token = float(sizing.kv_bytes_per_token(config, kv_dtype, tp=tp))
+        self.body_flops = 2.0 * (cost.active_params - cost.lm_head_params) / tp
+        self.head_flops = 2.0 * cost.lm_head_params / tp
+        self.attn_flops_per_ctx = cost.attention_flops(1024) / 1024 / tp
+        self.bandwidth = acc.bandwidth_bytes_per_s * self.realism.bandwidth_efficiency
+        self.flops = hardware.peak_flops(acc, dtype) * self.realism.flops_efficiency
+
+    def parts(self, num_new_tokens: Sequence[int], context_lens: Sequence[int]) -> tuple[float, float]:
+        """(compute seconds, memory seconds) of the step, before the overhead."""
+        tokens = sum(num_new_tokens)
+        attention = sum(n * (c - (n - 1) / 2) for n, c in zip(num_new_tokens, context_lens, strict=True))
+        flops = (
+            self.body_flops * tokens
+            + self.head_flops * len(num_new_tokens)
+            + self.attn_flops_per_ctx * attention
+        )
+        moved = self.weight_bytes + self.kv_per_token * sum(context_lens)
+        return flops / self.flops, moved / self.bandwidth
+
+    def __call__(self, num_new_tokens: Sequence[int], context_lens: Sequence[int]) -> float:
+        return max(self.parts(num_new_tokens, context_lens)) + self.realism.step_overhead_s
+
+
+@dataclass
+class Plan:
+    """What `plan` found; `report()` is the text `kvlab plan` prints."""
+
+    model: str
+    gpu: str
+    tp: int
+    dp: int
+    context: int
+    budget: budget.MemoryBudget
+    max_sequences: int
+    vllm_max_concurrency: float
+    summary: dict[str, float]
+    attainment: float
+    targets: Targets
+    meets_targets: bool
+    goodput_rps: float
+    binding: str
+    offered: str
+    searched: list[tuple[int, float, bool]] = field(default_factory=list)  # (dp, attainment, met)
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.dp
+
+    def report(self) -> str:
+        s, t = self.summary, self.targets
+        p = f"p{t.percentile:g}"
+        lines = [
+            f"plan         {self.model} on {self.num_gpus} × {self.gpu} (tp={self.tp}, dp={self.dp}); "
+            f"load {self.offered}",
+            "memory budget, one GPU:",
+            *self.budget.lines(self.context),
+            f"KV pool      {self.budget.num_blocks:,} blocks × {self.budget.block_size} tokens = "
+            f"{self.budget.max_tokens():,} tokens per replica",
+            f"concurrency  {self.max_sequences:,} sequences of {self.context:,} tokens in whole blocks; vLLM's "
+            f"start-up line would say {self.vllm_max_concurrency:.2f}x (a worst-case memory bound, not a latency "
+            "prediction)",
+            "modelled latencies (kvlab.simulate on the realistic roofline cost; not measured):",
+        ]
+        for name, key in (("TTFT", "ttft"), ("ITL", "itl"), ("TPOT", "tpot"), ("E2EL", "e2el")):
+            lines.append(
+                f"  {name:<5} p50 {s[f'p50_{key}_ms']:9.1f} ms   p95 {s[f'p95_{key}_ms']:9.1f} ms   "
+                f"p99 {s[f'p99_{key}_ms']:9.1f} ms"
+            )
+        targets = ", ".join(
+            f"{n} <= {v:g} ms" for n, v in (("TTFT", t.ttft_ms), ("TPOT", t.itl_ms), ("E2EL", t.e2el_ms)) if v
+        )
+        verdict = "met" if self.meets_targets else "NOT met"
+        lines += [
+            f"throughput   {s['request_throughput'] * self.dp:.2f} req/s, {s['output_throughput'] * self.dp:,.0f} "
+            f"output tok/s over {self.dp} replica(s); preemptions {int(s['num_preemptions'])} per replica",
+            f"targets      {targets or 'none'} for {t.percentile:g}% of requests: {verdict} "
+            f"({self.attainment:.1%} attain, {p})",
+            f"goodput      {self.goodput_rps:.2f} req/s (DistServe, arXiv:2401.09670: highest rate with "
+            f"{t.percentile:g}% attaining), over {self.dp} replica(s)",
+            f"binds        {self.binding}",
+        ]
+        if self.searched:
+            tried = ", ".join(f"{d * self.tp} GPUs {a:.0%}" for d, a, _ in self.searched)
+            lines.append(f"GPU search   {tried}")
+        return "\n".join(lines)
+
+
+def _binding(result: SimulationResult, cost: RooflineStepCost) -> str:
+    s = result.summary()
+    if result.num_preemptions or s["peak_kv_utilisation"] >= 0.98:
+        return f"memory: the KV pool ran full (peak {s['peak_kv_utilisation']:.0%}, {result.num_preemptions} preemptions)"
+    queue = sorted(r.queue_time for r in result.requests)
+    ttft = sorted(r.ttft for r in result.requests)
+    if queue[len(queue) // 2] > 0.5 * ttft[len(ttft) // 2]:
+        return (
+            "queueing: requests wait longer than their prefill takes (the load is past what the GPU serves)"
+        )
+    batch = max(1, round(s["mean_running"]))
+    context = round(
+        sum(r.num_prompt_tokens + r.num_output_tokens / 2 for r in result.requests) / len(result.requests)
+    )
+    compute, memory = cost.parts([1] * batch, [context] * batch)
+    regime = "compute" if compute > memory else "bandwidth"
+    return f"{regime}: a decode step of the mean batch ({batch}) is {regime}-bound (compute {compute * 1e3:.2f} ms, memory {memory * 1e3:.2f} ms)"
+
+
+def plan(
+    model: str,
+    gpu: str,
+    *,
+    context: int = 8192,
+    workload: Workload,
+    targets: Targets,
+    tp: int = 1,
+    dp: int | None = None,
+    max_gpus: int = 64,
+    weight_dtype: str = "bf16",
+    kv_dtype: str = "bf16",
+    engine: Engine | None = None,
+    realism: roofline.Realism | None = None,
+) -> Plan:
+    """Plan `model` on `gpu` (see the module docstring). `dp=None` searches the smallest data-parallel count
+    (up to `max_gpus` GPUs in all) meeting `targets` at the workload's rate; a given `dp` is evaluated as is."""
+    engine = engine or Engine()
+    acc = hardware.get(gpu) if isinstance(gpu, str) else gpu
+    config = resolve(model)
+    if context < 2:
+        raise PlanError(f"context must be >= 2 tokens, got {context}")
+    if tp < 1 or (dp is not None and dp < 1) or max_gpus < tp:
+        raise PlanError(
+            f"need tp >= 1, dp >= 1 and max_gpus >= tp, got tp={tp}, dp={dp}, max_gpus={max_gpus}"
+        )
+    mb = budget.memory_budget(
+        config,
+        acc,
+        kv_dtype=kv_dtype,
+        weight_dtype=weight_dtype,
+        gpu_memory_utilization=engine.gpu_memory_utilization,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        max_num_seqs=engine.max_num_seqs,
+        block_size=engine.block_size,
+        tp=tp,
+    )
+    if not mb.fits:
+        short = sizing.weight_bytes_per_gpu(config, weight_dtype, tp=tp)
+        raise PlanError(
+            f"{model} does not fit one {acc.name} at tp={tp}: weights alone take {short / 2**30:.1f} GiB of "
+            f"{acc.memory_bytes / 2**30:.1f} GiB and no KV block is left; raise --tp or use a larger GPU"
+        )
+    if mb.max_sequences(context) < 1:
+        raise PlanError(
+            f"not one sequence of {context:,} tokens fits the KV pool of {mb.max_tokens():,} tokens on {acc.name} "
+            f"at tp={tp}; raise --tp, shorten --context or lower the KV precision"
+        )
+    cost = RooflineStepCost(config, acc, weight_dtype, kv_dtype, tp, realism)
+    workload = _capped(workload, context)
+    vocab = config.get_text_config(decoder=True).vocab_size
+    # Random prompts share nothing beyond the workload's prefix: hashing their blocks would only cost time.
+    caching = engine.enable_prefix_caching and workload.prefix_fraction > 0 and workload.prefix_len > 0
+
+    def run(replicas: int, rate: float | None = None) -> SimulationResult:
+        """One replica's share of the load: the workload's own, or an open-loop `rate` over all replicas."""
+        if rate is not None:
+            per_replica: float | None = rate / replicas
+            conc = None
+        elif workload.concurrency is not None:
+            per_replica, conc = None, max(1, workload.concurrency // replicas)
+        else:
+            per_replica, conc = (workload.rate or 0.0) / replicas, None
+        return simulate(
+            workload.trace(per_replica, vocab),
+            cost,
+            num_blocks=mb.num_blocks,
+            block_size=mb.block_size,
+            max_num_seqs=engine.max_num_seqs,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
+            max_model_len=context,
+            enable_prefix_caching=caching,
+            concurrency=conc,
+            record_steps=False,
+        )
+
+    # Targets no GPU count meets: even a request alone on an idle replica misses them.
+    alone = simulate(
+        workload.trace(None, vocab)[:20],
+        cost,
+        num_blocks=mb.num_blocks,
+        block_size=mb.block_size,
+        max_num_seqs=engine.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        max_model_len=context,
+        enable_prefix_caching=caching,
+        concurrency=1,
+        record_steps=False,
+    )
+    if not targets.met(alone.requests):
+        s = alone.summary(qs=(targets.percentile,))
+        q = f"p{targets.percentile:g}"
+        missed = (
+            "; ".join(
+                f"{name} {q} {s[f'{q}_{key}_ms']:.1f} ms > {target:g} ms"
+                for name, key, target in (
+                    ("TTFT", "ttft", targets.ttft_ms),
+                    ("TPOT", "tpot", targets.itl_ms),
+                    ("E2EL", "e2el", targets.e2el_ms),
+                )
+                if target is not None and s[f"{q}_{key}_ms"] > target
+            )
+            or f"only {targets.attainment(alone.requests):.0%} of requests attain them"
+        )
+        raise PlanError(
+            f"no GPU count meets the targets: one request alone on an idle {acc.name} (tp={tp}) already misses "
+            f"them ({missed})"
+        )
+    searched: list[tuple[int, float, bool]] = []
+    if dp is None:
+        chosen = None
+        for replicas in range(1, max_gpus // tp + 1):
+            result = run(replicas)
+            attained = targets.attainment(result.requests)
+            searched.append((replicas, attained, targets.met(result.requests)))
+            if searched[-1][2]:
+                chosen = replicas
+                break
+        if chosen is None:
+            raise PlanError(
+                f"no GPU count up to {max_gpus} meets the targets at this load "
+                f"(best attainment {max(a for _, a, _ in searched):.0%} of the {targets.percentile:g}% needed)"
+            )
+        dp = chosen
+    result = run(dp)
+    met = targets.met(result.requests)
+    goodput = _goodput(
+        run, dp, targets, workload, workload.rate if met and workload.rate is not None else None
+    )
+    offered = (
+        f"{workload.rate:g} req/s" if workload.rate is not None else f"concurrency {workload.concurrency}"
+    ) + f", mean {workload.mean_input:g} in / {workload.mean_output:g} out tokens"
+    return Plan(
+        model=model,
+        gpu=acc.name,
+        tp=tp,
+        dp=dp,
+        context=context,
+        budget=mb,
+        max_sequences=mb.max_sequences(context),
+        vllm_max_concurrency=mb.max_tokens() / context,
+        summary=result.summary(targets.slo),
+        attainment=targets.attainment(result.requests),
+        targets=targets,
+        meets_targets=met,
+        goodput_rps=goodput,
+        binding=_binding(result, cost),
+        offered=offered,
+        searched=searched,
+    )
+
+
+def _capped(workload: Workload, context: int) -> Workload:
+    """Lengths capped so that prompt + output fits `context` (the engine's max_model_len)."""
+    from dataclasses import replace
+
+    max_in = min(workload.max_input_len or context, context // 2)
+    max_out = min(workload.max_output_len or context, context - max_in - max(workload.prefix_len, 0))
+    if max_out < 1:
+        raise PlanError(
+            f"context {context} leaves no room for output after a {workload.prefix_len}-token prefix"
+        )
+    return replace(workload, max_input_len=max_in, max_output_len=max_out)
+
+
+def _goodput(
+    run: Callable[[int, float | None], SimulationResult],
+    dp: int,
+    targets: Targets,
+    workload: Workload,
+    met_at: float | None,
+) -> float:
+    """DistServe's goodput over `dp` replicas: the highest request rate at which the targets hold, by bisection
+    over open-loop Poisson arrivals of the workload's finite trace. The search runs from the offered rate (when
+    the plan meets it; else 0) up to twice the larger of it and the burst throughput (every request at t=0).
+    On a finite trace a rate above what the GPUs sustain can still pass while the queue has not yet grown:
+    more `num_requests` make the figure stricter."""
+    burst = run(dp, math.inf).summary()
+    hi = 2 * max(burst["request_throughput"] * dp, met_at or 0.0)
+
+    def ok(rate: float) -> bool:
+        return targets.met(run(dp, rate).requests)
+
+    if ok(hi):
+        return hi
+    lo = met_at or 0.0
+    for _ in range(6):
+        mid = (lo + hi) / 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo

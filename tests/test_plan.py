@@ -1,0 +1,139 @@
+"""kvlab.plan: capacity planning against latency targets (modelled with kvlab.simulate)."""
+
+import pytest
+
+from kvlab import budget, roofline
+from kvlab import plan as P
+from kvlab import simulate as sim
+
+SMALL = dict(num_requests=40, mean_input=200, mean_output=40)
+
+
+def test_budget_and_concurrency_come_from_the_one_budget_function():
+    p = P.plan(
+        "meta-llama/Llama-3.1-8B",
+        "H100-SXM",
+        context=8192,
+        workload=P.Workload(rate=2.0, **SMALL),
+        targets=P.Targets(ttft_ms=500, itl_ms=50),
+        dp=1,
+    )
+    mb = budget.memory_budget("meta-llama/Llama-3.1-8B", "H100-SXM")
+    assert p.budget == mb
+    assert p.max_sequences == mb.max_sequences(8192) == mb.num_blocks // 512
+    assert p.vllm_max_concurrency == pytest.approx(mb.max_tokens() / 8192)
+    assert p.max_sequences <= p.vllm_max_concurrency < p.max_sequences + 1
+    text = p.report()
+    for term in ("KV pool", "capacity", "weights", "TTFT", "ITL", "E2EL", "goodput", "binds", "modelled"):
+        assert term in text
+    assert p.meets_targets and p.num_gpus == 1
+
+
+def test_step_cost_of_one_decode_equals_the_realistic_roofline():
+    """Hand check: one sequence decoding at context c costs what roofline.decode_step_time(realistic) says."""
+    cost = P.RooflineStepCost("meta-llama/Llama-3.1-8B", "H100-SXM")
+    for context in (1, 1024, 8192):
+        expected = roofline.decode_step_time(
+            "meta-llama/Llama-3.1-8B", "H100-SXM", 1, context, dtype="bf16", realistic=True
+        )
+        assert cost([1], [context]) == pytest.approx(expected, rel=0.02)
+
+
+def test_one_request_alone_hand_worked():
+    """A 10-token prompt, 5 output tokens, cost 1 ms + 1 ms per token: prefill step 11 ms gives the first token,
+    then 4 decode steps of 2 ms: TTFT 11 ms, E2EL 19 ms, every ITL 2 ms."""
+    trace = [sim.TraceRequest(0.0, tuple(range(2, 12)), 5)]
+    result = sim.simulate(trace, sim.LinearStepCost(1e-3, 1e-3), num_blocks=8, block_size=4)
+    (m,) = result.requests
+    assert m.ttft == pytest.approx(11e-3)
+    assert m.e2e_latency == pytest.approx(19e-3)
+    assert m.itls == pytest.approx([2e-3] * 4)
+
+
+def test_closed_loop_concurrency_keeps_that_many_in_flight():
+    trace = [sim.TraceRequest(0.0, (2, 3, 4, 5), 3) for _ in range(6)]
+    result = sim.simulate(trace, sim.LinearStepCost(1e-3), num_blocks=64, block_size=4, concurrency=2)
+    starts = sorted(m.arrival_time for m in result.requests)
+    assert starts[:2] == [0.0, 0.0] and all(t > 0 for t in starts[2:])
+    assert result.summary()["mean_running"] <= 2
+
+
+def test_gpu_search_finds_the_smallest_count():
+    kwargs = dict(
+        context=4096,
+        workload=P.Workload(rate=60.0, num_requests=60, mean_input=300, mean_output=30),
+        targets=P.Targets(ttft_ms=200, percentile=90),
+    )
+    p = P.plan("Qwen/Qwen2.5-7B", "L4", **kwargs)
+    assert p.dp > 1 and p.meets_targets
+    assert [d for d, _, _ in p.searched] == list(range(1, p.dp + 1))
+    assert not any(met for _, _, met in p.searched[:-1])
+    fewer = P.plan("Qwen/Qwen2.5-7B", "L4", dp=p.dp - 1, **kwargs)
+    assert not fewer.meets_targets
+
+
+def test_claim_17_same_memory_share_meets_one_target_and_misses_another():
+    """Same model, GPU and gpu_memory_utilization (so the same KV share of memory): the targets hold at a low
+    arrival rate and fail at a high one."""
+    kw = dict(context=8192, dp=1, targets=P.Targets(ttft_ms=300, itl_ms=40, percentile=90))
+    chat = dict(num_requests=120, mean_input=1000, mean_output=20)
+    low = P.plan("meta-llama/Llama-3.1-8B", "H100-SXM", workload=P.Workload(rate=1.0, **chat), **kw)
+    high = P.plan("meta-llama/Llama-3.1-8B", "H100-SXM", workload=P.Workload(rate=200.0, **chat), **kw)
+    assert low.budget == high.budget
+    assert low.meets_targets and not high.meets_targets
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (
+            lambda: P.plan(
+                "meta-llama/Llama-3.1-70B",
+                "H100-SXM",
+                workload=P.Workload(rate=1.0),
+                targets=P.Targets(ttft_ms=500),
+            ),
+            "does not fit one H100-SXM at tp=1",
+        ),
+        (
+            lambda: P.plan(
+                "meta-llama/Llama-3.1-8B",
+                "H100-SXM",
+                workload=P.Workload(rate=1.0, **SMALL),
+                targets=P.Targets(itl_ms=1),
+            ),
+            "no GPU count meets the targets",
+        ),
+        (lambda: P.Workload(rate=1.0, num_requests=0), "workload is empty"),
+        (lambda: P.Workload(rate=-1.0), "arrival rate must be positive"),
+        (lambda: P.Workload(rate=1.0, concurrency=4), "exactly one"),
+        (lambda: P.Workload(rate=1.0, mean_input=0), "at least|>= 1"),
+        (lambda: P.Targets(ttft_ms=-5), "positive"),
+        (lambda: P.Targets(percentile=0), "percentile"),
+    ],
+    ids=[
+        "no-fit",
+        "unreachable",
+        "empty",
+        "negative-rate",
+        "rate-and-concurrency",
+        "zero-length",
+        "neg-target",
+        "bad-percentile",
+    ],
+)
+def test_bad_input_says_why(call, message):
+    with pytest.raises(P.PlanError, match=message):
+        call()
+
+
+def test_no_count_up_to_the_limit():
+    with pytest.raises(P.PlanError, match="no GPU count up to 2"):
+        P.plan(
+            "Qwen/Qwen2.5-7B",
+            "L4",
+            context=4096,
+            workload=P.Workload(rate=200.0, num_requests=60, mean_input=300, mean_output=30),
+            targets=P.Targets(ttft_ms=200, percentile=90),
+            max_gpus=2,
+        )
