@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.block_manager import BlockAllocator, BlockManager, ContiguousBlockManager
+from kvlab.block_manager import NULL_BLOCK, BlockAllocator, BlockManager, ContiguousBlockManager
 from kvlab.metrics import PrefixCacheStats
 from kvlab.sequence import Sequence
 
@@ -170,3 +170,56 @@ def test_block_hash_is_chained_stable_and_content_addressed():
     assert root != block_hash(None, [1, 2, 3, 5])
     assert block_hash(root, [5, 6, 7, 8]) != block_hash(block_hash(None, [9, 9, 9, 9]), [5, 6, 7, 8])
     assert 0 < root < 2**128
+
+
+def test_free_queue_order_matches_vllm():
+    """vLLM 0.33.0 `BlockPool.free_blocks`: freed blocks without a hash go to the front (reused first), cached ones to
+    the back in the order freed; a request's blocks are freed tail first. Expected orders derived by hand."""
+    bm = BlockManager(num_blocks=6, block_size=2, enable_prefix_caching=True)
+    free = bm.allocator.free_order
+    a = Sequence([1, 2, 3, 4, 5])  # blocks 0, 1 full (cached), block 2 partial
+    assert bm.allocate(a, 5) == 5 and a.block_table == [0, 1, 2] and free() == [3, 4, 5]
+    bm.free(a)  # freed 2, 1, 0: the partial 2 to the front; cached 1 then 0 to the back
+    assert free() == [2, 3, 4, 5, 1, 0]
+    b = Sequence([9, 9, 8, 8, 7, 7, 6])  # unrelated: takes the four uncached blocks first
+    assert bm.allocate(b, 7) == 7 and b.block_table == [2, 3, 4, 5] and free() == [1, 0]
+    c = Sequence([5, 5, 4])  # needs two blocks: evicts A's tail block 1 before its head block 0
+    assert bm.allocate(c, 3) == 3 and c.block_table == [1, 0] and bm.num_cached_blocks == 4  # b's 3 + c's 1
+    bm.free(c)
+    bm.free(b)
+    # c freed 0 (partial, front) then 1 (cached, back); b freed 5 (partial, front), then 4, 3, 2 (cached, back).
+    assert free() == [5, 0, 1, 4, 3, 2]
+    # Without prefix caching nothing is cached: every freed block goes to the front, last freed first.
+    plain = BlockManager(num_blocks=4, block_size=2)
+    d = Sequence([1, 2, 3, 4, 5])
+    plain.allocate(d, 5)
+    plain.free(d)
+    assert plain.allocator.free_order() == [2, 1, 0, 3]
+
+
+def test_cache_salt_changes_every_block_hash():
+    bm = BlockManager(num_blocks=16, block_size=2, enable_prefix_caching=True)
+    tokens = [3, 4, 5, 6, 7]
+    salted = Sequence(tokens, cache_salt="a")
+    assert bm.allocate(salted, 5) == 5
+    assert bm.cached_prefix(Sequence(tokens + [1], cache_salt="b")) == []
+    assert bm.cached_prefix(Sequence(tokens + [1])) == []
+    assert bm.cached_prefix(Sequence(tokens + [1], cache_salt="a")) == salted.block_table[:2]
+    with pytest.raises(ValueError, match="cache_salt"):
+        Sequence(tokens, cache_salt=1)  # type: ignore[arg-type]
+
+
+def test_sliding_group_frees_behind_the_window_and_hits_on_the_window_only():
+    bm = BlockManager(num_blocks=32, block_size=2, enable_prefix_caching=True, windows=[5])
+    seq = Sequence(list(range(10, 30)))
+    assert bm.allocate(seq, 4) == 4  # tokens 0..3
+    seq.num_computed_tokens = 4
+    assert bm.append_slots(seq, 4)  # next query at 4 reads from token 0: nothing skipped yet
+    assert seq.block_table == [0, 1, 2, 3]
+    seq.num_computed_tokens = 8
+    assert bm.append_slots(seq, 4)  # query at 8 reads tokens 4..: blocks 0, 1 (tokens 0..3) freed
+    assert seq.block_table[:2] == [NULL_BLOCK] * 2 and bm.num_used_blocks == 4
+    # A later request with the same first 12 tokens hits on the blocks its window still reads (tokens 8..11).
+    other = Sequence(list(range(10, 22)) + [99])
+    tables = bm.cached_tables(other)
+    assert tables[0][:4] == [NULL_BLOCK] * 4 and len(tables[0]) == 6

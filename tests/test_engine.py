@@ -3,6 +3,7 @@ import logging
 import pytest
 import torch
 
+from kvlab.block_manager import NULL_BLOCK
 from kvlab.config import EngineConfig
 from kvlab.engine import LLMEngine
 from kvlab.metrics import PrefixCacheStats, mean_kv_utilisation
@@ -257,3 +258,142 @@ def test_public_accessors_report_blocks_and_preemptions(llama):
     engine.step()
     assert engine.num_used_blocks == 3 and engine.num_cached_blocks == 2
     assert engine.prefix_cache_stats == PrefixCacheStats(requests=1, queries=9, hits=0, hit_requests=0)
+
+
+# --- issue 15: the engine behaves like vLLM v1 -------------------------------------------------------------------
+
+
+def _peak_by_step(engine, prompts, params):
+    """Blocks in use after each step, stepping by hand."""
+    seqs = [engine.add_request(p, params) for p in prompts]
+    peak = []
+    while not all(s.is_finished for s in seqs):
+        engine.step()
+        peak.append(engine.num_used_blocks)
+    return seqs, peak
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_sliding_window_frees_blocks_behind_the_window(caching):
+    window, bs, chunk = 8, 4, 4
+    model = tiny_model("mistral", window=window, **KNOBS)
+    prompt = random_prompts([6])[0]
+    params = SamplingParams(max_tokens=40)
+    engine = LLMEngine(
+        model, block_size=bs, num_blocks=64, max_num_batched_tokens=chunk, enable_prefix_caching=caching
+    )
+    seqs, used = _peak_by_step(engine, [prompt], params)
+    assert seqs[0].num_tokens > 8 * bs, "without freeing the sequence would hold 9 blocks or more"
+    # The window's blocks (the window - 1 earlier tokens) plus the block being written, computed by hand:
+    window_blocks = -(-(window - 1) // bs)
+    assert max(used) == window_blocks + 1 == 3
+    assert seqs[0].output_token_ids == reference(model, [prompt], 40)[0]
+    # A pool of exactly the window's bound (cdiv(window - 1 + chunk, bs) + 1 blocks) serves it without preemption.
+    small = LLMEngine(model, block_size=bs, num_blocks=4, max_num_batched_tokens=chunk)
+    out = small.generate([prompt], params)
+    assert out[0].token_ids == seqs[0].output_token_ids and small.num_preemptions == 0
+    assert small.max_model_len == model.config.max_position_embeddings
+
+
+def test_hybrid_model_keeps_one_block_table_per_group():
+    window, bs = 8, 4
+    model = tiny_model("gemma3_text", window=window, **{**KNOBS, "layers": 6})
+    prompts = random_prompts([30, 5, 22])
+    expected = reference(model, prompts)
+    for knobs in (dict(num_blocks=128), dict(num_blocks=60, max_num_seqs=3)):  # roomy, preempting
+        engine = LLMEngine(model, block_size=bs, max_num_batched_tokens=16, **knobs)
+        groups = engine.kv_cache_groups
+        # Gemma 3: five sliding layers to one full; groups of one layer each, full first (vLLM's grouping).
+        assert [g.window for g in groups] == [None] + [window] * 5
+        assert sorted(layer for g in groups for layer in g.layers) == list(range(6))
+        assert engine.pool.kv.shape[0] == 1, "a block spans one group's layers"
+        seqs = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts]
+        bound = -(-(window - 1 + 16) // bs) + 1  # vLLM's SlidingWindowSpec bound, chunk of 16 tokens
+        freed = 0
+        while not all(s.is_finished for s in seqs):
+            engine.step()
+            for s in engine.scheduler.running:
+                full, *sliding = s.block_tables
+                assert len(s.block_tables) == 6 and NULL_BLOCK not in full
+                assert all(len(t) == len(full) for t in sliding), "tables stay aligned by position"
+                held = [sum(b != NULL_BLOCK for b in t) for t in sliding]
+                assert max(held) <= bound
+                freed = max(freed, len(full) - min(held))
+        assert [s.output_token_ids for s in seqs] == expected
+        assert freed >= 3, "sliding groups dropped blocks the full group still holds"
+        assert sum(engine.num_used_blocks_by_group()) == 0
+        assert engine.num_free_blocks == engine.num_blocks
+    assert engine.num_preemptions > 0
+
+
+def test_different_cache_salts_share_nothing(llama):
+    system = random_prompts([24], seed=3)[0]
+    engine = LLMEngine(llama, block_size=4, num_blocks=64)  # prefix caching is on by default
+    assert engine.config.enable_prefix_caching
+    params = SamplingParams(max_tokens=4)
+    first = engine.generate([{"prompt_token_ids": system + [5], "cache_salt": "tenant-a"}], params)
+    other = engine.generate([{"prompt_token_ids": system + [6], "cache_salt": "tenant-b"}], params)
+    assert engine.prefix_cache_stats.hits == 0, "a different salt finds none of tenant-a's blocks"
+    same = engine.generate([{"prompt_token_ids": system + [7], "cache_salt": "tenant-a"}], params)
+    assert engine.prefix_cache_stats.hits == 24 and same[0].metrics.num_cached_tokens == 24
+    assert [o[0].token_ids for o in (first, other, same)] == reference(
+        llama, [system + [5], system + [6], system + [7]], 4
+    )
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        engine.add_request({"tokens": [1, 2]})
+    with pytest.raises(ValueError, match="cache_salt"):
+        engine.add_request({"prompt_token_ids": [1, 2], "cache_salt": 3})
+
+
+def test_preemption_recomputes_less_with_prefix_caching(llama):
+    prompts = random_prompts([20, 24, 18, 22], seed=4)
+    expected = reference(llama, prompts, 16)
+    recomputed = {}
+    for caching in (False, True):
+        engine = LLMEngine(llama, block_size=4, num_blocks=20, enable_prefix_caching=caching)
+        out = engine.generate(prompts, SamplingParams(max_tokens=16))
+        assert [o.token_ids for o in out] == expected
+        assert engine.num_preemptions > 0
+        recomputed[caching] = engine.num_recomputed_tokens
+    assert 0 < recomputed[True] < recomputed[False]
+
+
+def test_defaults_follow_vllm_and_config_is_logged(llama, caplog):
+    with caplog.at_level(logging.INFO, logger="kvlab.engine"):
+        engine = LLMEngine(llama, block_size=4, num_blocks=16)
+    assert engine.config.enable_prefix_caching and engine.config.enable_chunked_prefill
+    assert not EngineConfig(kv_layout="contiguous").enable_prefix_caching
+    assert "effective configuration" in caplog.text and "scheduler_reserve_full_isl" in caplog.text
+    assert "True (vllm/config/cache.py)" in engine.config_table()
+    # Full-prompt admission: a 40-token prompt whose first 8-token chunk fits, but not the whole prompt.
+    for reserve, admitted in ((False, True), (True, False)):
+        engine = LLMEngine(
+            llama, block_size=4, num_blocks=16, max_num_batched_tokens=8, scheduler_reserve_full_isl=reserve
+        )
+        engine.add_request(random_prompts([30])[0], SamplingParams(max_tokens=40, ignore_eos=True))
+        for _ in range(5):
+            engine.step()
+        late = engine.add_request(random_prompts([40], seed=9)[0], SamplingParams(max_tokens=2))
+        engine.step()
+        assert (late.num_computed_tokens > 0) is admitted
+
+
+def test_pool_sized_by_memory_budget(llama, caplog):
+    from kvlab.budget import MemoryBudget
+
+    weights = sum(p.numel() * p.element_size() for p in llama.parameters())
+    with caplog.at_level(logging.INFO, logger="kvlab.model_runner"):
+        engine = LLMEngine(
+            llama, block_size=8, memory_budget_bytes=weights + 2**20, max_num_batched_tokens=64
+        )
+    budget = engine.model_runner.memory_budget
+    assert isinstance(budget, MemoryBudget) and budget.num_blocks == engine.num_blocks
+    assert (budget.capacity_bytes, budget.gpu_memory_utilization, budget.runtime_bytes) == (
+        weights + 2**20,
+        1.0,
+        0,
+    )
+    buffers = sum(b.numel() * b.element_size() for b in llama.buffers())  # rotary tables count as weights
+    assert budget.weight_bytes == weights + buffers and budget.activation_bytes > 0
+    assert engine.kv_cache_bytes == budget.kv_pool_bytes
+    assert "= KV pool" in caplog.text and "measured (profiled 64-token forward)" in caplog.text

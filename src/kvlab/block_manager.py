@@ -16,47 +16,65 @@ from __future__ import annotations
 import array
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from kvlab.metrics import PrefixCacheStats, blocks_for
-from kvlab.sequence import Sequence
+from kvlab.sequence import Sequence as Sequence_
+
+NULL_BLOCK = -1  # a block-table entry freed behind a sliding window (vLLM's null_block); never read unmasked
 
 
-def block_hash(parent: int | None, tokens: list[int]) -> int:
+def block_hash(parent: int | None, tokens: list[int], extra: str | None = None) -> int:
     """A full block's identity: SHA-256 of its parent's hash and its token ids, as a 128-bit integer.
 
     Chaining makes equal hashes mean equal whole prefixes; a cryptographic hash (as vLLM offers) makes a
-    collision, which would silently serve another prompt's K and V, practically impossible.
+    collision, which would silently serve another prompt's K and V, practically impossible. `extra` is mixed into
+    the first block only (vLLM's extra keys: LoRA, multimodal inputs, `cache_salt`), and the chain carries it to
+    every later block, so requests with different salts never share a block.
     """
     digest = hashlib.sha256()
     digest.update(b"root" if parent is None else parent.to_bytes(16, "little"))
+    if extra is not None:
+        digest.update(b"salt:" + extra.encode())
     digest.update(array.array("q", tokens).tobytes())
     return int.from_bytes(digest.digest()[:16], "little")
 
 
 class BlockAllocator:
-    """Reference counts and a free list; free blocks leave in least-recently-freed order."""
+    """Reference counts and vLLM v1's free queue.
+
+    The queue's front is handed out first. As in vLLM 0.33.0 (`vllm/v1/core/block_pool.py`
+    `BlockPool.free_blocks`, on `FreeKVCacheBlockQueue` of `vllm/v1/core/kv_cache_utils.py`), blocks freed holding no
+    cached hash go to the FRONT (reused first, last freed first), and blocks holding a cached prefix go to the
+    BACK (evicted last, least recently freed first). Callers free a request's blocks tail first, so its tail is
+    evicted before its shared head.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self.hashes: list[int | None] = [None] * num_blocks
+        self.hashes: list[Hashable | None] = [None] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.on_evict = lambda block_id, block_hash: None  # the prefix cache forgets an evicted hash
+        self.on_evict: Callable[[int, Hashable], None] = lambda block_id, key: None
 
     @property
     def num_free_blocks(self) -> int:
         return len(self.free)
 
+    def free_order(self) -> list[int]:
+        """Free blocks in the order they will be handed out (the last ones are evicted last)."""
+        return list(self.free)
+
     def allocate(self) -> int:
-        """A fresh block with ref count 1; evicts the oldest free block's cached contents."""
+        """The block at the front of the free queue, with ref count 1; evicts its cached contents if any."""
         if not self.free:
             raise MemoryError("no free KV blocks")
         block_id, _ = self.free.popitem(last=False)
-        if self.hashes[block_id] is not None:
-            self.on_evict(block_id, self.hashes[block_id])
+        key = self.hashes[block_id]
+        if key is not None:
+            self.on_evict(block_id, key)
             self.hashes[block_id] = None
         self.ref_counts[block_id] = 1
         return block_id
@@ -67,26 +85,61 @@ class BlockAllocator:
             del self.free[block_id]
         self.ref_counts[block_id] += 1
 
+    def release_all(self, ordered: Iterable[int]) -> None:
+        """Drop one reference to each block, given in eviction order (the first is evicted first)."""
+        fresh = []
+        for block_id in ordered:
+            if self.ref_counts[block_id] <= 0:
+                raise ValueError(f"block {block_id} released more often than taken")
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                if self.hashes[block_id] is None:
+                    fresh.append(block_id)
+                else:
+                    self.free[block_id] = None  # at the back: evicted last
+        for block_id in reversed(fresh):  # at the front, keeping their order: reused first
+            self.free[block_id] = None
+            self.free.move_to_end(block_id, last=False)
+
     def release(self, block_id: int) -> None:
-        if self.ref_counts[block_id] <= 0:
-            raise ValueError(f"block {block_id} released more often than taken")
-        self.ref_counts[block_id] -= 1
-        if self.ref_counts[block_id] == 0:
-            self.free[block_id] = None  # at the tail: evicted last
+        self.release_all([block_id])
 
 
 class BlockManager:
-    """Block tables of sequences, on a `BlockAllocator`, with optional prefix caching."""
+    """Block tables of sequences, on a `BlockAllocator`, with optional prefix caching.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    `windows` lists the KV-cache groups of the model (`kvlab.paging.kv_cache_groups`): `None` for a group of
+    full-attention layers, the window for a group of sliding-window layers. Each sequence keeps one block table
+    per group (vLLM's hybrid KV cache manager); all groups draw blocks from one allocator. A sliding group frees
+    the blocks that fall wholly behind its window before each step (vLLM's `SlidingWindowManager`
+    `remove_skipped_blocks`): their table entries become `NULL_BLOCK`, so a sequence holds the window's blocks
+    plus the blocks being written, however long it grows.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        windows: Sequence[int | None] = (None,),
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not windows or any(w is not None and w < 2 for w in windows):
+            raise ValueError(f"windows must be None or >= 2, one per KV-cache group, got {list(windows)}")
         self.allocator = BlockAllocator(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.windows = list(windows)
+        self.cached: dict[tuple[int, int], int] = {}  # (group, block hash) -> block id
+        self.block_group = [0] * num_blocks  # which group a block in use belongs to
         self.allocator.on_evict = self._evict
         self.prefix_cache_stats = PrefixCacheStats()  # lookups so far, one per request
+        self.num_recomputed_tokens = 0  # tokens prefilled again after a preemption (cache hits excluded)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -105,58 +158,113 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
+    def num_used_blocks_by_group(self) -> list[int]:
+        """Blocks in use, per KV-cache group."""
+        counts = [0] * self.num_groups
+        for block_id, refs in enumerate(self.allocator.ref_counts):
+            if refs:
+                counts[self.block_group[block_id]] += 1
+        return counts
+
     @property
     def capacity_tokens(self) -> int:
-        """The longest sequence the pool can hold alone."""
-        return self.num_blocks * self.block_size
+        """The longest sequence the pool can hold alone (full-attention groups keep every token)."""
+        return self.num_blocks * self.block_size // self.num_groups
 
-    def _evict(self, block_id: int, block_hash: int) -> None:
-        if self.cached.get(block_hash) == block_id:
-            del self.cached[block_hash]
+    def _evict(self, block_id: int, key: Hashable) -> None:
+        if self.cached.get(key) == block_id:  # type: ignore[call-overload]
+            del self.cached[key]  # type: ignore[arg-type]
 
-    def _hashes(self, seq: Sequence) -> list[int]:
+    def _hashes(self, seq: Sequence_) -> list[int]:
         """Chained hashes of the sequence's full blocks (memoised: a full block's tokens never change)."""
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_tokens // bs):
             parent = seq.block_hashes[i - 1] if i else None
-            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+            extra = seq.cache_salt if i == 0 else None
+            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs], extra))
         return seq.block_hashes
 
-    def cached_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks covering the longest prefix of `seq`, leaving at least one token to compute."""
-        if not self.enable_prefix_caching:
-            return []
-        hits = []
-        for block_hash in self._hashes(seq)[: (seq.num_tokens - 1) // self.block_size]:
-            block_id = self.cached.get(block_hash)
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
+    def _skipped_blocks(self, group: int, num_computed_tokens: int) -> int:
+        """Leading blocks no query from `num_computed_tokens` on attends (vLLM's `get_num_skipped_tokens`)."""
+        window = self.windows[group]
+        if window is None:
+            return 0
+        return max(0, num_computed_tokens - window + 1) // self.block_size
 
-    def _new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        total = seq.num_computed_tokens + num_new_tokens
-        return max(0, blocks_for(total, self.block_size) - len(seq.block_table))
+    def _group_hit(self, group: int, hashes: list[int], limit: int) -> int:
+        """Longest prefix, at most `limit` blocks, this group can serve from cache.
+
+        A full-attention group needs every block of the prefix; a sliding group only the blocks its window still
+        reads at the first uncomputed token (vLLM's `SlidingWindowManager.find_longest_cache_hit`).
+        """
+        cached = self.cached
+        if self.windows[group] is None:
+            n = 0
+            while n < limit and (group, hashes[n]) in cached:
+                n += 1
+            return n
+        for n in range(limit, 0, -1):
+            first = self._skipped_blocks(group, n * self.block_size)
+            if all((group, hashes[i]) in cached for i in range(first, n)):
+                return n
+        return 0
+
+    def cached_prefix(self, seq: Sequence_) -> list[int]:
+        """Cached blocks covering the longest prefix of `seq`, leaving at least one token to compute (the first
+        KV-cache group's table; `cached_tables` gives every group's)."""
+        return self.cached_tables(seq)[0]
+
+    def cached_tables(self, seq: Sequence_) -> list[list[int]]:
+        """Per group, the table of cached blocks covering the longest prefix of `seq` every group can serve,
+        leaving at least one token to compute (`NULL_BLOCK` where a sliding group no longer needs a block)."""
+        if not self.enable_prefix_caching:
+            return [[] for _ in self.windows]
+        hashes = self._hashes(seq)
+        n = (seq.num_tokens - 1) // self.block_size
+        while True:  # every group must serve the same prefix; shrink until they all do
+            shorter = min(self._group_hit(g, hashes, n) for g in range(self.num_groups))
+            if shorter == n:
+                break
+            n = shorter
+        tables = []
+        for g in range(self.num_groups):
+            first = self._skipped_blocks(g, n * self.block_size)
+            tables.append([NULL_BLOCK] * first + [self.cached[(g, h)] for h in hashes[first:n]])
+        return tables
+
+    def _new_blocks_needed(self, seq: Sequence_, num_new_tokens: int) -> int:
+        total = blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        return sum(max(0, total - len(table)) for table in seq.block_tables)
 
     def can_fit_alone(self, num_tokens: int) -> bool:
-        return blocks_for(num_tokens, self.block_size) <= self.num_blocks
+        return blocks_for(num_tokens, self.block_size) * self.num_groups <= self.num_blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> int | None:
+    def allocate(self, seq: Sequence_, num_new_tokens: int, reserve_tokens: int = 0) -> int | None:
         """Admit a sequence holding no blocks: take its cached prefix, then blocks for up to `num_new_tokens`
-        more. Returns how many tokens it will compute (the hit shortens the work), or None if the pool is short."""
-        assert not seq.block_table, "allocate is for sequences without blocks"
-        hits = self.cached_prefix(seq)
-        cached = len(hits) * self.block_size
+        more. Returns how many tokens it will compute (the hit shortens the work), or None if the pool is short.
+
+        `reserve_tokens`: admit only if blocks for that many tokens in all (the whole prompt: vLLM's
+        `scheduler_reserve_full_isl`) would be free, though only the first chunk's blocks are taken now.
+        """
+        assert not any(seq.block_tables), "allocate is for sequences without blocks"
+        tables = self.cached_tables(seq)
+        cached = (len(tables[0])) * self.block_size
         num_new_tokens = min(num_new_tokens, seq.num_tokens - cached)
+        hits = {b for table in tables for b in table if b != NULL_BLOCK}
         revived = sum(
             self.allocator.ref_counts[b] == 0 for b in hits
         )  # cached but free: they leave the free list
-        fresh = blocks_for(cached + num_new_tokens, self.block_size) - len(hits)
+        target = max(cached + num_new_tokens, min(reserve_tokens, seq.num_tokens))
+        fresh = sum(blocks_for(target, self.block_size) - len(table) for table in tables)
         if revived + fresh > self.num_free_blocks:
             return None
-        for block_id in hits:
-            self.allocator.share(block_id)
-        seq.block_table = list(hits)
+        for table in tables:
+            for block_id in table:
+                if block_id != NULL_BLOCK:
+                    self.allocator.share(block_id)
+        seq.block_tables = tables
+        if seq.metrics.num_preemptions:
+            self.num_recomputed_tokens += seq.num_tokens - 1 - cached  # all but the last are recomputed
         seq.num_computed_tokens = cached
         # Hit statistics count each request once, at its first admission: a request re-admitted after
         # preemption finds its own blocks again, which is recomputation saved, not prefix sharing.
@@ -165,16 +273,34 @@ class BlockManager:
         self.append_slots(seq, num_new_tokens)
         return num_new_tokens
 
-    def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def remove_skipped_blocks(self, seq: Sequence_) -> None:
+        """Free the blocks of sliding groups that lie wholly behind the window of the next token to compute."""
+        for g, table in enumerate(seq.block_tables):
+            skipped = min(self._skipped_blocks(g, seq.num_computed_tokens), len(table))
+            freed = []
+            for i in range(skipped - 1, -1, -1):  # last first, as vLLM does; stop at what is already null
+                if table[i] == NULL_BLOCK:
+                    break
+                freed.append(table[i])
+                table[i] = NULL_BLOCK
+            self.allocator.release_all(freed)
+
+    def append_slots(self, seq: Sequence_, num_new_tokens: int) -> bool:
         """Blocks for the next `num_new_tokens` tokens of a running sequence; all or nothing."""
+        self.remove_skipped_blocks(seq)
         needed = self._new_blocks_needed(seq, num_new_tokens)
         if needed > self.num_free_blocks:
             return False
-        seq.block_table.extend(self.allocator.allocate() for _ in range(needed))
+        total = blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        for g, table in enumerate(seq.block_tables):
+            for _ in range(total - len(table)):
+                block_id = self.allocator.allocate()
+                self.block_group[block_id] = g
+                table.append(block_id)
         self._cache_full_blocks(seq, seq.num_computed_tokens + num_new_tokens)
         return True
 
-    def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+    def _cache_full_blocks(self, seq: Sequence_, num_tokens: int) -> None:
         """Publish the blocks that `num_tokens` tokens fill, so other requests can share them.
 
         As in vLLM, this happens when the tokens are scheduled, not after they are computed: a request admitted
@@ -184,27 +310,35 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         hashes = self._hashes(seq)
-        for i in range(num_tokens // self.block_size):
-            block_id = seq.block_table[i]
-            if self.allocator.hashes[block_id] is None and hashes[i] not in self.cached:
-                self.allocator.hashes[block_id] = hashes[i]
-                self.cached[hashes[i]] = block_id
+        hashes_of = self.allocator.hashes
+        for g, table in enumerate(seq.block_tables):
+            for i in range(num_tokens // self.block_size):
+                block_id = table[i]
+                if block_id == NULL_BLOCK or hashes_of[block_id] is not None:
+                    continue
+                key = (g, hashes[i])
+                if key not in self.cached:
+                    hashes_of[block_id] = key
+                    self.cached[key] = block_id
 
-    def free(self, seq: Sequence) -> None:
-        """Give back a sequence's blocks, last block first, so its tail is evicted before its shared head."""
-        for block_id in reversed(seq.block_table):
-            self.allocator.release(block_id)
-        seq.block_table = []
+    def free(self, seq: Sequence_) -> None:
+        """Give back a sequence's blocks, group by group, last block first, so its tail is evicted before its
+        shared head (vLLM's `SingleTypeKVCacheManager.free`)."""
+        for table in seq.block_tables:
+            self.allocator.release_all(b for b in reversed(table) if b != NULL_BLOCK)
+        seq.block_tables = [[] for _ in self.windows]
         seq.num_computed_tokens = 0
 
-    def used_token_slots(self, seqs: Iterable[Sequence]) -> int:
+    def used_token_slots(self, seqs: Iterable[Sequence_]) -> int:
         """Token slots of the pool that hold a computed token (a shared block counts once)."""
         filled: dict[int, int] = {}
         bs = self.block_size
         for seq in seqs:
-            for i, block_id in enumerate(seq.block_table):
-                n = min(bs, max(0, seq.num_computed_tokens - i * bs))
-                filled[block_id] = max(filled.get(block_id, 0), n)
+            for table in seq.block_tables:
+                for i, block_id in enumerate(table):
+                    if block_id != NULL_BLOCK:
+                        n = min(bs, max(0, seq.num_computed_tokens - i * bs))
+                        filled[block_id] = max(filled.get(block_id, 0), n)
         return sum(filled.values())
 
 
@@ -230,7 +364,7 @@ class ContiguousBlockManager(BlockManager):
                 return block_id - run + 1
         return None
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> int | None:
+    def allocate(self, seq: Sequence_, num_new_tokens: int, reserve_tokens: int = 0) -> int | None:
         assert not seq.block_table, "allocate is for sequences without blocks"
         start = self._first_fit()
         if start is None:
@@ -240,6 +374,6 @@ class ContiguousBlockManager(BlockManager):
         seq.block_table = list(range(start, start + self.reserve_blocks))
         return min(num_new_tokens, seq.num_tokens)
 
-    def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def append_slots(self, seq: Sequence_, num_new_tokens: int) -> bool:
         # Everything up to max_model_len was reserved at admission.
         return self._new_blocks_needed(seq, num_new_tokens) == 0

@@ -3,11 +3,18 @@
 `LLMEngine(model, block_size=16, ...)` builds one from its keywords, as vLLM's `LLM(...)` builds its `EngineArgs`;
 `LLMEngine(model, EngineConfig(...))` takes one directly. `num_blocks=None` sizes the pool from a memory budget
 (see `ModelRunner.profile_num_blocks`); `max_model_len=None` is the model's limit, capped by the pool.
+
+Defaults follow vLLM v1 (0.33.0, `vllm/config/cache.py`, `vllm/config/scheduler.py`) where they make sense for
+a teaching engine: prefix caching on (off for the contiguous baseline, which cannot share), chunked prefill on.
+They differ where vLLM sizes for a datacentre GPU: `max_num_seqs` and `max_num_batched_tokens` are CPU-sized, and
+admission needs only the first chunk's blocks unless `scheduler_reserve_full_isl=True` (vLLM's default, which
+needs the whole prompt to fit). `VLLM_DEFAULTS` and `EngineConfig.table()` put both side by side; `LLMEngine`
+logs that table at startup.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 from kvlab.scheduler import SchedulerConfig, Scheduling
@@ -21,14 +28,17 @@ class EngineConfig:
     num_blocks: int | None = None  # None: as many as the memory budget leaves
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool | None = None  # None: on for the paged layout, off for the contiguous one
     scheduling: Scheduling = "continuous"
     max_model_len: int | None = None  # None: the model's limit, capped by the pool
     memory_budget_bytes: int | None = None  # None: 256 MiB on CPU, 90% of the device memory on a GPU
     kv_layout: KVLayout = "paged"
     enable_chunked_prefill: bool = True
+    scheduler_reserve_full_isl: bool = False  # True: admit only when the whole prompt's blocks are free
 
     def __post_init__(self) -> None:
+        if self.enable_prefix_caching is None:
+            object.__setattr__(self, "enable_prefix_caching", self.kv_layout == "paged")
         if self.kv_layout not in ("paged", "contiguous"):
             raise ValueError(f"kv_layout must be 'paged' or 'contiguous', got {self.kv_layout!r}")
         if self.kv_layout == "contiguous" and self.enable_prefix_caching:
@@ -46,4 +56,27 @@ class EngineConfig:
             max_model_len=max_model_len,
             scheduling=self.scheduling,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            reserve_full_prompt=self.scheduler_reserve_full_isl,
         )
+
+    def table(self) -> list[tuple[str, str, str]]:
+        """(knob, this engine's value, vLLM v1's default and where it is set), one row per knob."""
+        return [(f.name, repr(getattr(self, f.name)), VLLM_DEFAULTS[f.name]) for f in fields(self)]
+
+
+# vLLM 0.33.0's defaults, read from its source: vllm/config/cache.py (block_size, enable_prefix_caching,
+# gpu_memory_utilization), vllm/config/scheduler.py (enable_chunked_prefill, scheduler_reserve_full_isl,
+# policy), vllm/engine/arg_utils.py (per-GPU max_num_seqs / max_num_batched_tokens).
+VLLM_DEFAULTS: dict[str, str] = {
+    "block_size": "None: chosen by the platform, 16 on CUDA (vllm/config/cache.py)",
+    "num_blocks": "total × gpu_memory_utilization (0.92 in vllm/config/cache.py) − weights − activations − non-torch",
+    "max_num_seqs": "256; 1024 on GPUs of >= 70 GiB but A100 (vllm/engine/arg_utils.py get_batch_defaults)",
+    "max_num_batched_tokens": "2048 serving / 8192 LLM class; 8192 / 16384 on H100-H200; 16384 from 160 GiB",
+    "enable_prefix_caching": "True (vllm/config/cache.py)",
+    "scheduling": "continuous; --scheduling-policy fcfs (vllm/config/scheduler.py)",
+    "max_model_len": "the model's max_position_embeddings",
+    "memory_budget_bytes": "--kv-cache-memory-bytes unset: sized from gpu_memory_utilization",
+    "kv_layout": "paged (vLLM has no contiguous layout)",
+    "enable_chunked_prefill": "True (vllm/config/scheduler.py)",
+    "scheduler_reserve_full_isl": "True (vllm/config/scheduler.py)",
+}

@@ -7,14 +7,20 @@ schedules a batch, runs it, appends the sampled tokens, and retires finished req
 `model.generate`'s in fp32 (the tests prove it, with preemption and prefix caching too). `step_stats` keeps one
 `kvlab.metrics.StepStats` row per step (running sequences, blocks in use, batched tokens, KV utilisation) for the
 book's occupancy plots; each output carries its request's latency metrics. Read-only properties report what the
-scheduler and the block manager count (`num_preemptions`, `prefix_cache_stats`, blocks in use and cached).
+scheduler and the block manager count (`num_preemptions`, `num_recomputed_tokens`, `prefix_cache_stats`, blocks in
+use, per KV-cache group and cached).
+
+Prompts are token-id lists or vLLM's form `{"prompt_token_ids": [...], "cache_salt": "..."}`: a salt is mixed
+into the first block's hash, so requests with different salts never share cached blocks. At startup the engine
+logs its memory budget (`kvlab.budget.MemoryBudget`, when it sizes the pool) and its effective configuration beside
+vLLM v1's defaults (`EngineConfig.table()`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -53,6 +59,25 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+Prompt = Sequence[int] | Mapping[str, Any]  # token ids, or {"prompt_token_ids": [...], "cache_salt": "..."}
+
+
+def _parse_prompt(prompt: Prompt) -> tuple[list[int], str | None]:
+    """Token ids and cache salt of a prompt in either form; a one-line error for anything else."""
+    if isinstance(prompt, Mapping):
+        unknown = set(prompt) - {"prompt_token_ids", "cache_salt"}
+        if "prompt_token_ids" not in prompt or unknown:
+            raise ValueError(
+                f"a prompt dict needs 'prompt_token_ids' and may have 'cache_salt', got keys {sorted(prompt)}"
+            )
+        salt = prompt.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+        return list(prompt["prompt_token_ids"]), salt
+    if isinstance(prompt, (str, bytes)):
+        raise ValueError("prompts are token ids (or a dict with 'prompt_token_ids'), not text")
+    return list(prompt), None
+
 
 @dataclass(frozen=True)
 class RequestOutput:
@@ -88,16 +113,23 @@ class LLMEngine:
         num_blocks, block_size = self.model_runner.pool.num_blocks, config.block_size
         limit = model.config.get_text_config().max_position_embeddings
         max_model_len = config.max_model_len
-        max_model_len = min(limit, num_blocks * block_size) if max_model_len is None else max_model_len
-        if max_model_len > num_blocks * block_size:
+        capacity = self._capacity_tokens(num_blocks, limit)
+        max_model_len = min(limit, capacity) if max_model_len is None else max_model_len
+        if max_model_len > capacity:
             raise ValueError(
-                f"max_model_len={max_model_len} exceeds the pool ({num_blocks} blocks × {block_size} tokens)"
+                f"max_model_len={max_model_len} exceeds the pool ({num_blocks} blocks × {block_size} tokens"
+                f" over {len(self.model_runner.groups)} KV-cache groups)"
             )
         self.max_model_len = max_model_len
+        windows = [g.window for g in self.model_runner.groups]
         if config.kv_layout == "contiguous":
+            if len(windows) > 1:
+                raise ValueError("the contiguous baseline supports one KV-cache group (not hybrid models)")
             self.block_manager: BlockManager = ContiguousBlockManager(num_blocks, block_size, max_model_len)
         else:
-            self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
+            self.block_manager = BlockManager(
+                num_blocks, block_size, bool(config.enable_prefix_caching), windows
+            )
         self.scheduler = Scheduler(config.scheduler_config(max_model_len), self.block_manager)
         self.clock: Clock = (
             {"wall": WallClock, "virtual": VirtualClock}[clock]() if isinstance(clock, str) else clock
@@ -119,6 +151,13 @@ class LLMEngine:
             max_model_len,
             self.max_concurrency(max_model_len),
         )
+        logger.info("effective configuration beside vLLM v1's defaults:\n%s", self.config_table())
+
+    def config_table(self) -> str:
+        """This engine's knobs beside vLLM 0.33.0's defaults, as printable text (logged at startup)."""
+        rows = [("knob", "kvlab", "vLLM v1 default"), *self.config.table()]
+        width = [max(len(r[i]) for r in rows) for i in range(2)]
+        return "\n".join(f"  {a:<{width[0]}}  {b:<{width[1]}}  {c}" for a, b, c in rows)
 
     # --- what the engine holds, read-only -----------------------------------------------------------------------
 
@@ -157,6 +196,25 @@ class LLMEngine:
         return self.block_manager.num_cached_blocks
 
     @property
+    def kv_cache_groups(self) -> list[Any]:
+        """The model's KV-cache groups (`kvlab.paging.KVCacheGroup`: window, layers), one block table each."""
+        return list(self.model_runner.groups)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of the pool (all layers it spans, K and V)."""
+        return self.block_size * self.kv_bytes_per_token
+
+    def num_used_blocks_by_group(self) -> list[int]:
+        """Blocks in use per KV-cache group: a sliding group's stop growing at its window."""
+        return self.block_manager.num_used_blocks_by_group()
+
+    @property
+    def num_recomputed_tokens(self) -> int:
+        """Prompt and output tokens prefilled again after preemptions (prefix-cache hits are not recomputed)."""
+        return self.block_manager.num_recomputed_tokens
+
+    @property
     def num_preemptions(self) -> int:
         """Preemptions by recompute since the engine started."""
         return self.scheduler.num_preemptions
@@ -166,30 +224,55 @@ class LLMEngine:
         """Prefix-cache lookups so far, each request counted once (all zero without prefix caching)."""
         return self.block_manager.prefix_cache_stats
 
+    def _blocks_per_request(self, context_len: int) -> int:
+        """Most blocks one request of `context_len` tokens holds over all groups: a sliding group at most
+        cdiv(window - 1 + max_num_batched_tokens, block_size) + 1 (vLLM 0.33.0 `SlidingWindowSpec.
+        max_memory_usage_bytes`, `vllm/v1/kv_cache_interface.py`)."""
+        bs, chunk = self.config.block_size, self.config.max_num_batched_tokens
+        return sum(
+            blocks_for(context_len, bs)
+            if g.window is None
+            else blocks_for(min(g.window - 1 + chunk, context_len), bs) + 1
+            for g in self.model_runner.groups
+        )
+
+    def _capacity_tokens(self, num_blocks: int, limit: int) -> int:
+        """The longest sequence the pool holds alone (the model's limit if only sliding groups hold it)."""
+        bs = self.config.block_size
+        if self._blocks_per_request(limit) <= num_blocks:
+            return limit
+        k = 0
+        while self._blocks_per_request((k + 1) * bs) <= num_blocks:
+            k += 1
+        return k * bs
+
     def max_concurrency(self, context_len: int) -> float:
         """How many requests of `context_len` tokens the pool holds at once (vLLM's startup figure)."""
-        return self.block_manager.num_blocks / blocks_for(context_len, self.block_size)
+        return self.block_manager.num_blocks / self._blocks_per_request(context_len)
 
     # --- requests -----------------------------------------------------------------------------------------------
 
     def add_request(
         self,
-        prompt_token_ids: Sequence[int],
+        prompt: Prompt,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         request_id: str | None = None,
     ) -> Seq:
         """Queue a request; `arrival_time` (clock seconds) may lie in the future, for trace replay.
 
-        A prompt that can never fit (not shorter than `max_model_len`, which the pool bounds) finishes at once with
-        `finish_reason="error"` instead of waiting forever.
+        `prompt` is token ids or `{"prompt_token_ids": [...], "cache_salt": "..."}`. A prompt that can never fit
+        (not shorter than `max_model_len`, which the pool bounds) finishes at once with `finish_reason="error"`
+        instead of waiting forever.
         """
+        token_ids, salt = _parse_prompt(prompt)
         now = self.clock.now()
         seq = Seq(
-            list(prompt_token_ids),
+            token_ids,
             params or SamplingParams(),
             now if arrival_time is None else arrival_time,
             request_id,
+            cache_salt=salt,
         )
         if seq.num_tokens >= self.max_model_len:
             seq.error = (
@@ -248,7 +331,7 @@ class LLMEngine:
     def _output(self, seq: Seq) -> RequestOutput:
         self.model_runner.release(seq)
         return RequestOutput(
-            seq.request_id,
+            str(seq.request_id),
             seq.prompt_token_ids,
             seq.output_token_ids,
             seq.finish_reason,
@@ -286,10 +369,11 @@ class LLMEngine:
 
     def generate(
         self,
-        prompts: Sequence[Sequence[int]],
+        prompts: Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs for a list of token-id prompts, in prompt order."""
+        """Outputs for a list of prompts (token ids, or dicts with `prompt_token_ids` and `cache_salt`), in
+        prompt order."""
         params = params or SamplingParams()
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         seqs = [self.add_request(p, sp) for p, sp in zip(prompts, per_prompt, strict=True)]

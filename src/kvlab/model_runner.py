@@ -4,9 +4,16 @@ The engine hands it a `ScheduledBatch`; it flattens the batch's tokens into one 
 slots, builds the step's `PagedContext` once for all layers, runs the model through the paged attention
 (`kvlab.paging`), and samples one token for every sequence whose scheduled tokens reach its end.
 
-Sizing with `num_blocks=None` follows vLLM's startup: from a memory budget, take away the weights and the peak
-activation of a profiled forward over `max_num_batched_tokens` tokens; the rest holds KV blocks. On CPU the budget
-is a parameter (`memory_budget_bytes`); on a GPU it defaults to the free device memory times 0.9.
+Sizing with `num_blocks=None` follows vLLM's startup (vLLM 0.33.0 `vllm/v1/worker/gpu_worker.py`
+`determine_available_memory`) through `kvlab.budget.MemoryBudget`, the one place a KV budget is computed: from the
+capacity take the engine cap, the memory outside PyTorch, the weights (measured from the model's tensors) and the
+peak activation of a profiled forward over `max_num_batched_tokens` tokens; whole blocks of the rest hold KV. On a
+GPU the capacity is the device's TOTAL memory (`torch.cuda.mem_get_info`) with vLLM's `gpu_memory_utilization`
+of 0.9 and the measured CUDA context (`kvlab.measure.cuda_context_bytes`); on CPU, or when `memory_budget_bytes`
+is given, the capacity is that budget, all of it usable (utilisation 1.0, no runtime term).
+
+Hybrid models (sliding and full layers, Gemma 3) get one block table per KV-cache group (`kvlab.paging.
+kv_cache_groups`); each step builds one `PagedContext` per group and every layer reads its group's.
 """
 
 from __future__ import annotations
@@ -16,10 +23,19 @@ import logging
 import torch
 from transformers import PreTrainedModel
 
+from kvlab.budget import MemoryBudget
 from kvlab.config import EngineConfig
-from kvlab.measure import MemoryTracker
+from kvlab.measure import MemoryTracker, cuda_context_bytes
 from kvlab.metrics import blocks_for
-from kvlab.paging import KVPool, KVShape, PagedContext, enable_paged_attention, slots_for
+from kvlab.paging import (
+    KVCacheGroup,
+    KVPool,
+    KVShape,
+    PagedContext,
+    enable_paged_attention,
+    kv_cache_groups,
+    slots_for,
+)
 from kvlab.scheduler import ScheduledBatch
 from kvlab.sequence import Sequence
 from kvlab.units import format_bytes
@@ -36,8 +52,15 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.shape = KVShape.from_config(model.config)
+        self.groups: list[KVCacheGroup] = kv_cache_groups(model.config)
+        self._group_of_layer = [0] * sum(len(g.layers) for g in self.groups)
+        for g, group in enumerate(self.groups):
+            for layer in group.layers:
+                self._group_of_layer[layer] = g
         self.block_size = config.block_size
+        # Bytes of one token slot of one block: every layer, or one group's layers in a hybrid model.
         self.kv_bytes_per_token = KVPool.bytes_per_token(self.shape, self.dtype)
+        self.memory_budget: MemoryBudget | None = None  # set when the pool is sized from memory
         enable_paged_attention(model)
         # transformers passes a prepared 4-D mask through untouched instead of building one over the flat batch;
         # the PagedContext carries the real masks, so this placeholder is all the model needs.
@@ -50,40 +73,69 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_num_blocks(self, budget: int | None, tokens: int) -> int:
-        """KV blocks that fit in `budget` bytes after the weights and a `tokens`-token forward's peak activation."""
-        if budget is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int((free + torch.cuda.memory_allocated(self.device)) * GPU_MEMORY_UTILIZATION)
-            else:
-                budget = DEFAULT_CPU_BUDGET
+        """KV blocks that fit in the memory budget after the weights and a `tokens`-token forward's peak
+        activation, computed by `kvlab.budget.MemoryBudget` (kept as `self.memory_budget`, logged line by line).
+
+        `budget=None`: on a GPU, total device memory × 0.9 less the CUDA context (vLLM's default); on CPU,
+        `DEFAULT_CPU_BUDGET`. A given `budget` is used whole (utilisation 1.0, no runtime term)."""
+        if budget is None and self.device.type == "cuda":
+            _, total = torch.cuda.mem_get_info(self.device)
+            capacity, utilization = int(total), GPU_MEMORY_UTILIZATION
+            runtime, runtime_source = (
+                cuda_context_bytes(self.device),
+                "measured (kvlab.measure.cuda_context_bytes)",
+            )
+        else:
+            capacity = DEFAULT_CPU_BUDGET if budget is None else int(budget)
+            utilization, runtime, runtime_source = 1.0, 0, "none counted: the budget is given"
         weights = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
         # A dummy prefill of a full token budget, on a scratch pool made outside the tracker so it is not counted.
-        scratch = KVPool(
-            self.shape, blocks_for(tokens, self.block_size), self.block_size, self.dtype, self.device
-        )
-        table = list(range(scratch.num_blocks))
-        slots = torch.tensor(slots_for(table, 0, tokens, self.block_size), device=self.device)
-        ctx = PagedContext.build(scratch, slots, [tokens], [tokens], [table])
+        blocks = blocks_for(tokens, self.block_size)
+        scratch = KVPool(self.shape, blocks * len(self.groups), self.block_size, self.dtype, self.device)
+        tables = [[list(range(g * blocks, (g + 1) * blocks))] for g in range(len(self.groups))]
+        slots = [slots_for(t[0], 0, tokens, self.block_size) for t in tables]
+        ctx = self._context(scratch, slots, [tokens], [tokens], tables)
         ids = torch.zeros(1, tokens, dtype=torch.long, device=self.device)
         with MemoryTracker(self.device) as mem:
             self.forward(ids, torch.arange(tokens, device=self.device)[None], ctx, 1)
-        per_block = self.block_size * self.kv_bytes_per_token
-        num_blocks = (budget - weights - mem.peak_bytes) // per_block
-        logger.info(
-            "memory budget %s: weights %s, peak activation %s (%d-token forward), KV cache %s",
-            format_bytes(budget),
-            format_bytes(weights),
-            format_bytes(mem.peak_bytes),
-            tokens,
-            format_bytes(max(0, num_blocks) * per_block),
+        self.memory_budget = MemoryBudget(
+            capacity_bytes=capacity,
+            gpu_memory_utilization=utilization,
+            runtime_bytes=runtime,
+            weight_bytes=weights,
+            activation_bytes=int(mem.peak_bytes),
+            block_size=self.block_size,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            runtime_source=runtime_source,
+            activation_source=f"measured (profiled {tokens}-token forward)",
         )
-        if num_blocks < 1:
+        logger.info("memory budget (kvlab.budget.MemoryBudget):\n%s", "\n".join(self.memory_budget.lines()))
+        if not self.memory_budget.fits:
             raise ValueError(
-                f"memory budget {format_bytes(budget)} leaves no room for KV blocks after weights "
+                f"memory budget {format_bytes(capacity)} leaves no room for KV blocks after weights "
                 f"({format_bytes(weights)}) and activations ({format_bytes(mem.peak_bytes)})"
             )
-        return int(num_blocks)
+        return self.memory_budget.num_blocks
+
+    def _context(
+        self,
+        pool: KVPool,
+        slots: list[list[int]],
+        query_lens: list[int],
+        context_lens: list[int],
+        tables: list[list[list[int]]],
+    ) -> PagedContext:
+        """The step's `PagedContext`: one per KV-cache group, each layer pointed at its group's."""
+        device = self.device
+        ctxs = [
+            PagedContext.build(pool, torch.tensor(s, device=device), query_lens, context_lens, t)
+            for s, t in zip(slots, tables, strict=True)
+        ]
+        if len(ctxs) == 1:
+            return ctxs[0]
+        ctx = ctxs[0]
+        ctx.by_layer = [ctxs[g] for g in self._group_of_layer]
+        return ctx
 
     # --- one step -----------------------------------------------------------------------------------------------
 
@@ -94,25 +146,27 @@ class ModelRunner:
         """
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        tables: list[list[int]] = []
+        num_groups = len(self.groups)
+        slots: list[list[int]] = [[] for _ in range(num_groups)]
+        tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
         context_lens: list[int] = []
         sample_rows: list[int] = []
         sampled: list[Sequence] = []
+        bs = self.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids += seq.token_ids[start:end]
             positions += range(start, end)
-            slots += slots_for(seq.block_table, start, end, self.block_size)
-            tables.append(seq.block_table[: blocks_for(end, self.block_size)])
+            for g, table in enumerate(seq.block_tables):
+                slots[g] += slots_for(table, start, end, bs)
+                # Entries freed behind a sliding window read block 0: the window's mask hides them.
+                tables[g].append([max(b, 0) for b in table[: blocks_for(end, bs)]])
             context_lens.append(end)
             if end == seq.num_tokens:  # the last known token: its logits give the next one
                 sample_rows.append(len(ids) - 1)
                 sampled.append(seq)
         device = self.device
-        ctx = PagedContext.build(
-            self.pool, torch.tensor(slots, device=device), list(batch.num_new_tokens), context_lens, tables
-        )
+        ctx = self._context(self.pool, slots, list(batch.num_new_tokens), context_lens, tables)
         logits = self.forward(
             torch.tensor([ids], device=device),
             torch.tensor([positions], device=device),

@@ -35,17 +35,50 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvlab.arch import describe
+from kvlab.layers import SlidingWindowAttention
 
 ATTN_IMPLEMENTATION = "kvlab_paged"
 
 
 @dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers whose caches share block tables: one attention kind (`window` None for full attention)."""
+
+    window: int | None
+    layers: tuple[int, ...]
+
+
+def kv_cache_groups(config: PretrainedConfig) -> list[KVCacheGroup]:
+    """The model's layers in KV-cache groups of equal size, as vLLM's hybrid KV cache manager forms them.
+
+    One group when every layer has the same attention kind (Llama: all full; Mistral: all one window). A hybrid
+    model (Gemma 3: five sliding layers to one full) is cut into groups of the smallest kind's layer count, so
+    that every group's block spans the same number of layers and all groups draw on one pool of equal blocks
+    (vLLM 0.33.0, `vllm/v1/core/kv_cache_planning.py`, `_get_kv_cache_groups_uniform_page_size`). Full groups
+    come first, then sliding groups by window.
+    """
+    by_kind: dict[int | None, list[int]] = {}
+    for i, layer in enumerate(describe(config).layers):
+        window = layer.window if isinstance(layer, SlidingWindowAttention) else None
+        by_kind.setdefault(window, []).append(i)
+    size = min(len(layers) for layers in by_kind.values())
+    groups = []
+    for window in sorted(by_kind, key=lambda w: (w is not None, w or 0)):
+        layers = by_kind[window]
+        groups += [KVCacheGroup(window, tuple(layers[i : i + size])) for i in range(0, len(layers), size)]
+    return groups
+
+
+@dataclass(frozen=True)
 class KVShape:
-    """What one block of one layer holds: `block_size` tokens of `kv_heads × head_dim` for K and again for V."""
+    """What one block holds: `block_size` tokens of `kv_heads × head_dim` for K and again for V, in each of
+    `num_layers` layer rows. A block spans every layer, except in a hybrid model, where it spans one KV-cache
+    group's layers and `layer_rows` gives each model layer's row (its place in its group)."""
 
     num_layers: int
     kv_heads: int
     head_dim: int
+    layer_rows: tuple[int, ...] | None = None  # None: layer i is row i
 
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> KVShape:
@@ -54,13 +87,23 @@ class KVShape:
             raise ValueError(
                 f"{spec.model_type}: the paged cache supports per-head K/V layers only (not MLA)"
             )
-        shapes = {(layer.kv_heads, layer.head_dim, layer.v_head_dim) for layer in spec.layers}
+        shapes = {(layer.kv_heads, layer.head_dim, layer.v_head_dim) for layer in spec.layers}  # type: ignore[attr-defined]
         if len(shapes) != 1 or next(iter(shapes))[1] != next(iter(shapes))[2]:
             raise ValueError(
                 f"{spec.model_type}: layers must share one K/V shape to share a pool, got {shapes}"
             )
         kv_heads, head_dim, _ = shapes.pop()
-        return cls(spec.num_layers, kv_heads, head_dim)
+        groups = kv_cache_groups(config)
+        if len(groups) == 1:
+            return cls(spec.num_layers, kv_heads, head_dim)
+        rows = [0] * spec.num_layers
+        for group in groups:
+            for row, layer in enumerate(group.layers):
+                rows[layer] = row
+        return cls(max(len(g.layers) for g in groups), kv_heads, head_dim, tuple(rows))
+
+    def row(self, layer_idx: int) -> int:
+        return layer_idx if self.layer_rows is None else self.layer_rows[layer_idx]
 
 
 class KVPool:
@@ -101,7 +144,8 @@ class KVPool:
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V pools of one layer, each `(num_blocks, block_size, kv_heads, head_dim)`."""
-        return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
+        row = self.shape.row(layer_idx)
+        return self.kv[row, 0], self.kv[row, 1]
 
     def write(self, layer_idx: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store `(tokens, kv_heads, head_dim)` K and V at flat slot indices `block * block_size + offset`."""
@@ -239,6 +283,9 @@ class PagedContext:
     block_ids: torch.Tensor  # (blocks,) what each layer gathers, built once per step
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    by_layer: list[PagedContext] | None = (
+        None  # hybrid models: each layer's group's context (own block tables)
+    )
 
     @classmethod
     def build(
@@ -318,7 +365,9 @@ def paged_attention_forward(
         )  # fmt: skip
     if softcap is not None:
         raise NotImplementedError("logit soft-capping (Gemma 2) is not supported by the paged attention")
-    ctx, layer = paged_context, module.layer_idx
+    ctx, layer = paged_context, int(module.layer_idx)  # type: ignore[arg-type]
+    if ctx.by_layer is not None:
+        ctx = ctx.by_layer[layer]
     q = query[0].transpose(0, 1)  # (tokens, heads, head_dim)
     ctx.pool.write(layer, ctx.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
     gqa = query.shape[1] != key.shape[1]

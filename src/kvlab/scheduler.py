@@ -7,8 +7,11 @@ prefilled in chunks across steps (chunked prefill). Static batching runs the sam
 only when the whole previous batch has finished, as `model.generate` on a padded batch does.
 
 When the pool has no block for a running sequence, the most recently admitted running sequence is preempted by
-recompute (vLLM's default): its blocks are freed, its tokens kept, and it goes back to the front of the queue, to
-be prefilled again, prompt plus output so far, when memory allows.
+recompute, the only preemption mode of vLLM v1 (vLLM 0.33.0 `vllm/v1/core/sched/scheduler.py`; swapping to CPU
+and `--swap-space` are gone): its blocks are freed, its tokens kept, and it goes back to the front of the queue,
+to be prefilled again, prompt plus output so far, when memory allows. With prefix caching on, its freed full
+blocks keep their hashes, so on re-admission it takes back those not evicted meanwhile and recomputes only the
+rest (`BlockManager.num_recomputed_tokens` counts what is prefilled again).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     scheduling: Scheduling = "continuous"
     enable_chunked_prefill: bool = True
+    reserve_full_prompt: bool = False  # vLLM's scheduler_reserve_full_isl
 
     def __post_init__(self) -> None:
         if self.scheduling not in ("continuous", "static"):
@@ -122,8 +126,9 @@ class Scheduler:
                 break
             if not self.config.enable_chunked_prefill and seq.num_tokens > budget:
                 break
-            n = self.block_manager.allocate(seq, budget)
-            if n is None:
+            reserve = seq.num_tokens if self.config.reserve_full_prompt else 0
+            admitted = self.block_manager.allocate(seq, budget, reserve)
+            if admitted is None:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -132,8 +137,8 @@ class Scheduler:
                 seq.metrics.num_cached_tokens = seq.num_computed_tokens
             self.running.append(seq)
             batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            budget -= n
+            batch.num_new_tokens.append(admitted)
+            budget -= admitted
         return batch
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -47,7 +47,8 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])  # one per KV-cache group
+    cache_salt: str | None = None  # mixed into the first block's hash: no sharing across salts (vLLM's)
     block_hashes: list[int] = field(default_factory=list)  # of full blocks of token_ids, filled lazily
     finish_reason: str | None = None  # "stop" (eos), "length" (max_tokens / max_model_len), "error"
     error: str | None = None
@@ -55,10 +56,21 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.token_ids:
             raise ValueError("a prompt needs at least one token")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {self.cache_salt!r}")
         self.token_ids = list(self.token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.request_id = str(self.seq_id) if self.request_id is None else self.request_id
         self.metrics = RequestMetrics(self.arrival_time, self.num_prompt_tokens)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV-cache group's block table (the only one unless the model mixes attention kinds)."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
 
     @property
     def num_tokens(self) -> int:
