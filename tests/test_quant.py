@@ -159,9 +159,9 @@ def test_real_model_keeps_greedy_tokens_with_fp8_and_int8():
     model, tokenizer = models.real_model(device="cpu")
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")["input_ids"]
-    reference = quant.greedy(model, ids, None, 10)
+    reference = quant.greedy(model, ids, None, 8)
     for method in ("fp8", "int8"):
-        run = quant.greedy(model, ids, method, 10, reference=reference.tokens)
+        run = quant.greedy(model, ids, method, 8, reference=reference.tokens)
         assert run.agreement >= GREEDY_AGREEMENT_THRESHOLD, (method, run.agreement)
 
 
