@@ -264,7 +264,9 @@ def test_paged_context_declares_decode_groups_and_prefill_chunks():
         "block_ids",
         "decodes",
         "prefills",
+        "by_layer",  # one context per KV-cache group, for hybrid models (None otherwise)
     }
+    assert ctx.by_layer is None
     (group,) = ctx.decodes
     assert (
         torch.equal(group.tokens, torch.tensor([0, 4]))
