@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvlab import diagnose
 
     diagnose.add_arguments(
-        sub.add_parser("diagnose", help="which KV-cache lever applies first to a workload, and why (kvlab.diagnose)")
+        sub.add_parser("diagnose", help="which KV-cache lever applies first to a workload, and why")
     )
     sub.add_parser("models", help="list the offline registry")
     sweep.add_arguments(sub.add_parser("sweep", help="run a lab over a parameter grid; glued scalars to CSV"))

@@ -84,11 +84,14 @@ class Workload:
         try:
             config = arch.get(self.model)
         except (arch.UnknownModelError, arch.UnsupportedConfigError) as err:
-            raise WorkloadError(f"unknown model {self.model!r}: {err}") from None
+            message = str(err.args[0]) if err.args else str(err)
+            raise WorkloadError(
+                message if "unknown model" in message else f"model {self.model!r}: {message}"
+            ) from None
         try:
             hardware.get(self.gpu)
         except hardware.UnknownAcceleratorError as err:
-            raise WorkloadError(str(err).strip("\"'")) from None
+            raise WorkloadError(str(err.args[0]) if err.args else str(err)) from None
         for name in ("mean_input", "mean_output"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
