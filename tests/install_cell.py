@@ -57,7 +57,7 @@ def notebooks(root: Path) -> list[Path]:
     return sorted(
         p
         for p in root.rglob("*.ipynb")
-        if "_build" not in p.parts and not any(s.startswith(".") for s in p.parts)
+        if not {"_build", "results"} & set(p.parts) and not any(s.startswith(".") for s in p.parts)
     )
 
 

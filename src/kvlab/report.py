@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import html
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -53,3 +55,66 @@ def _fmt(value: Any) -> str:
     if isinstance(value, tuple):
         return "(" + ", ".join(str(v) for v in value) + ")"
     return str(value)
+
+
+# --- Results of `make gpu` (kvlab.gpu), shown beside a chapter's CPU figures ----------------------------------
+
+NO_GPU_RUN = "no GPU run is recorded yet"
+
+
+def find_results(start: Path | None = None) -> Path | None:
+    """book/results above `start` (default: the working directory, a chapter's folder when a lab runs)."""
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        candidate = folder / "results" if folder.name == "book" else folder / "book" / "results"
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def gpu_results(chapter: str, results: str | Path | None = None) -> list[dict[str, Any]]:
+    """Every recorded `make gpu` run of `chapter` (its folder name, e.g. '04_bandwidth_bound'), by GPU folder."""
+    root = Path(results) if results is not None else find_results()
+    if root is None or not root.is_dir():
+        return []
+    records = []
+    for path in sorted(root.glob(f"*/{chapter}.json")):
+        if path.parent.name == "cpu-stub":
+            continue  # a dry run on CPU is not a GPU measurement
+        record = json.loads(path.read_text())
+        record["gpu_folder"] = path.parent.name
+        records.append(record)
+    return records
+
+
+def gpu_results_table(
+    chapter: str, results: str | Path | None = None, keys: Sequence[str] | None = None
+) -> Table:
+    """The chapter's glued scalars as measured on each recorded GPU, one column per GPU, with each run's
+    provenance in the caption; a one-row table saying no GPU run is recorded yet when there is none."""
+    records = gpu_results(chapter, results)
+    if not records:
+        return Table(
+            ["measured on a GPU"],
+            [
+                [
+                    f"{NO_GPU_RUN} for {chapter} (`make gpu` on a GPU machine writes book/results/<gpu>/{chapter}.json)"
+                ]
+            ],
+        )
+    names = list(keys) if keys is not None else list(dict.fromkeys(k for r in records for k in r["values"]))
+    columns = ["value", *(f"measured on {r['provenance'].get('device', r['gpu_folder'])}" for r in records)]
+    rows = [[name, *(r["values"].get(name, "") for r in records)] for name in names]
+    if not rows:
+        rows = [["(no glued values)", *(r["status"] for r in records)]]
+    notes = []
+    for r in records:
+        p = r["provenance"]
+        commit = p.get("kvlab_commit", "unknown")[:12]
+        status = "" if r["status"] == "ok" else f"; run FAILED: {r['error']}"
+        notes.append(
+            f"{p.get('device', r['gpu_folder'])}: driver {p.get('driver', '?')}, CUDA {p.get('cuda', '?')}, "
+            f"torch {p.get('torch', '?')}, transformers {p.get('transformers', '?')}, kvlab {p.get('kvlab', '?')} "
+            f"({commit}), {p.get('date', '?')}{status}"
+        )
+    return Table(columns, rows, caption="Recorded GPU runs (make gpu): " + " | ".join(notes))

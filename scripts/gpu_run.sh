@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# scripts/gpu_run.sh: every lab at its GPU sizes on a GPU machine that has no package index.
+#
+# Before (on a machine with the index):  make gpu-wheels      # fills .gpu-wheels/ (at most 60 MiB, checked)
+# On the GPU machine:                    OUT=/some/dir scripts/gpu_run.sh [CHAPTER,CHAPTER...]
+#
+# 1. A venv that sees the machine's own packages (its torch, CUDA build and all), with the carried wheels
+#    installed offline over them (--no-index --find-links): transformers 5.24, myst-nb, papermill, ...;
+#    kvlab itself is imported from this tree's src/ (PYTHONPATH), so results name this tree's commit.
+# 2. `make gpu`: python -m kvlab.gpu, every lab (or the chapters given) at book/gpu_params.yaml's sizes,
+#    results under book/results/<gpu>/, within GPU_TIMEOUT seconds (default 480: 8 minutes).
+# 3. A copy of the results under $OUT/results/, and the log under $OUT/gpu_run.log.
+#
+# KVLAB_GPU_STUB=cpu runs the same steps with the GPU hidden (the CPU dry run of tests/test_gpu_run.py);
+# GPU_PARAMS=FILE replaces book/gpu_params.yaml (the dry run passes CPU sizes), GPU_RESULTS=DIR book/results;
+# PYTHON picks the interpreter, GPU_VENV the venv (empty: install into PYTHON's environment).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT to the folder that receives the results}"
+WHEELS=${WHEELS:-.gpu-wheels}
+PYTHON=${PYTHON:-python3}
+GPU_VENV=${GPU_VENV-.venv-gpu}
+GPU_TIMEOUT=${GPU_TIMEOUT:-480}
+GPU_PARAMS=${GPU_PARAMS:-book/gpu_params.yaml}
+LABS=${1:-}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_run.log"
+exec > >(tee -a "$LOG") 2>&1
+
+if [ ! -f "$WHEELS/requirements.txt" ]; then
+  echo "gpu_run: no $WHEELS/requirements.txt; run 'make gpu-wheels' on a machine with a package index first"
+  exit 2
+fi
+start=$(date +%s)
+if [ -n "$GPU_VENV" ]; then  # GPU_VENV= (empty) installs into PYTHON's own environment
+  [ -x "$GPU_VENV/bin/python" ] || "$PYTHON" -m venv --system-site-packages "$GPU_VENV"
+  PY="$GPU_VENV/bin/python"
+else
+  PY="$PYTHON"
+fi
+# Offline: the carried wheels only; what the machine already has (torch) satisfies the rest.
+if grep -q '^[^#[:space:]]' "$WHEELS/requirements.txt"; then
+  "$PY" -m pip install -q --no-index --find-links "$WHEELS" -r "$WHEELS/requirements.txt"
+fi
+"$PY" - <<'EOF'
+import torch, transformers
+print(f"gpu_run: torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__},"
+      f" GPU: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}")
+EOF
+echo "gpu_run: installed in $(( $(date +%s) - start )) s"
+
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+status=0
+GPU_RESULTS=${GPU_RESULTS:-book/results}
+timeout "$GPU_TIMEOUT" make --no-print-directory gpu PY="$PY" GPU_PARAMS="$GPU_PARAMS" GPU_LABS="$LABS" \
+  GPU_OUT="$GPU_RESULTS" || status=$?
+[ "$status" = 124 ] && echo "gpu_run: make gpu passed its $GPU_TIMEOUT s limit; the labs it finished are kept"
+mkdir -p "$OUT/results"
+cp -r "$GPU_RESULTS/." "$OUT/results/"
+echo "gpu_run: exit $status after $(( $(date +%s) - start )) s; results in $OUT/results"
+exit "$status"

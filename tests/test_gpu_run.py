@@ -1,0 +1,102 @@
+"""`make gpu` and scripts/gpu_run.sh, dry-run on CPU (KVLAB_GPU_STUB=cpu): one lab at tiny sizes, results as data,
+and the chapter table that shows them."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvlab.gpu import load_params, slug
+from kvlab.report import NO_GPU_RUN, gpu_results_table
+from kvlab.sweep import SweepError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {  # chapter 1 at the smoke sweep's sizes: seconds on CPU
+    "01_cache_contents": dict(
+        layers=2, hidden=64, heads=4, kv_heads=2, new_tokens=4, history_lengths=[8, 64], repeat=2
+    )
+}
+
+
+def test_gpu_params_name_only_real_parameters_of_real_labs():
+    params = load_params(ROOT / "book" / "gpu_params.yaml", ROOT / "book")
+    labs = sorted(p.parent.name for p in (ROOT / "book").glob("*/lab.ipynb"))
+    # every lab listed exists; a lab not (yet) listed runs at its CPU defaults
+    assert set(params) <= set(labs) and len(params) >= 13
+
+
+def test_bad_parameters_file_is_a_one_line_error(tmp_path):
+    bad = tmp_path / "p.yaml"
+    bad.write_text("01_cache_contents:\n  no_such_knob: 3\n")
+    with pytest.raises(SweepError, match="has no parameter 'no_such_knob'"):
+        load_params(bad, ROOT / "book")
+    bad.write_text("99_nothing: {}\n")
+    with pytest.raises(SweepError, match="no lab for chapter '99_nothing'"):
+        load_params(bad, ROOT / "book")
+
+
+def test_gpu_run_script_dry_run_on_cpu(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "requirements.txt").write_text("# the development venv already has everything\n")
+    params = tmp_path / "params.yaml"
+    params.write_text(json.dumps(TINY))  # JSON is YAML
+    out, results = tmp_path / "OUT", tmp_path / "results"
+    env = dict(
+        os.environ,
+        OUT=str(out),
+        WHEELS=str(wheels),
+        PYTHON=sys.executable,
+        GPU_VENV="",
+        GPU_PARAMS=str(params),
+        GPU_RESULTS=str(results),
+        KVLAB_GPU_STUB="cpu",
+        GPU_TIMEOUT="300",
+    )
+    done = subprocess.run(
+        ["bash", "scripts/gpu_run.sh", "01_cache_contents"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = json.loads((out / "results" / "cpu-stub" / "01_cache_contents.json").read_text())
+    assert record["status"] == "ok" and record["parameters"] == TINY["01_cache_contents"]
+    assert record["values"]["ch1_layers"] == 2 and record["values"]["ch1_kv_heads"] == 2
+    prov = record["provenance"]
+    assert prov["stub"] == "cpu" and prov["device"].startswith("CPU")
+    assert {"torch", "transformers", "kvlab", "kvlab_commit", "date"} <= set(prov)
+    assert (out / "results" / "cpu-stub" / "01_cache_contents.ipynb").is_file()
+    assert "1/1 labs ok" in (out / "gpu_run.log").read_text()
+    # a dry run is never shown as a GPU measurement
+    table = gpu_results_table("01_cache_contents", results)
+    assert NO_GPU_RUN in repr(table)
+    # the same record under a GPU's folder is shown, with its provenance
+    gpu = results / slug("NVIDIA H200")
+    gpu.mkdir()
+    prov |= {"device": "NVIDIA H200", "driver": "570.1", "cuda": "12.8", "stub": ""}
+    (gpu / "01_cache_contents.json").write_text(json.dumps(record | {"provenance": prov}))
+    table = gpu_results_table("01_cache_contents", results, keys=["ch1_layers"])
+    assert table.columns == ["value", "measured on NVIDIA H200"]
+    assert table.rows == [["ch1_layers", 2]]
+    assert "driver 570.1, CUDA 12.8" in table.caption and "NVIDIA H200" in table._repr_html_()
+
+
+def test_without_a_gpu_make_gpu_says_how_to_dry_run(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVLAB_GPU_STUB", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    done = subprocess.run(
+        [sys.executable, "-m", "kvlab.gpu", "--root", str(ROOT), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+    )
+    assert (
+        done.returncode == 2 and "no GPU visible; for a dry run on CPU set KVLAB_GPU_STUB=cpu" in done.stderr
+    )
+
+
+def test_missing_wheels_folder_says_how_to_make_it(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path / "o"), WHEELS=str(tmp_path / "none"))
+    done = subprocess.run(["bash", "scripts/gpu_run.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 2 and "run 'make gpu-wheels'" in done.stdout
