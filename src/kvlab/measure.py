@@ -130,7 +130,11 @@ def module_kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype | None 
 
 
 def expected_pool_bytes(model: torch.nn.Module, num_tokens: int, dtype: torch.dtype | None = None) -> int:
-    """Bytes a KV store of `num_tokens` token slots in every layer must hold: `module_kv_bytes_per_token` × tokens."""
+    """Bytes a KV store of `num_tokens` token slots in every layer must hold: `module_kv_bytes_per_token` × tokens.
+
+    This is the engine's pool when its blocks span every layer (one KV-cache group: Llama, Mistral, Qwen). In a
+    hybrid model (Gemma 3) a block spans one group's layers, so the pool holds fewer layers per slot.
+    """
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     return num_tokens * module_kv_bytes_per_token(model, dtype)
