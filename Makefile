@@ -4,13 +4,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvlab-installed
-NOTEBOOKS := $(shell find book -name '*.ipynb' -not -path '*/_build/*' -not -path '*/.ipynb_checkpoints/*' | sort)
+NOTEBOOKS := $(shell find book -name '*.ipynb' -not -path '*/_build/*' -not -path '*/.ipynb_checkpoints/*' \
+  -not -path 'book/results/*' | sort)
 # Labs are CPU-sized and seeded; hide any GPU so stored outputs and CI agree.
 export PYTHONHASHSEED := 0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install book test lint pytest nbval smoke book-check outputs clean fork lab browser
+.PHONY: install book test lint pytest nbval smoke book-check outputs clean fork lab browser colab gpu gpu-wheels
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -37,8 +38,9 @@ lint: install
 pytest: install
 	$(BIN)/pytest tests -p no:cacheprovider
 
+# Stored outputs come from a CPU run: a GPU, when the machine has one, is hidden from the compared run.
 nbval: install
-	$(BIN)/pytest --nbval $(NOTEBOOKS) --sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
+	CUDA_VISIBLE_DEVICES= $(BIN)/pytest --nbval $(NOTEBOOKS) --sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
 
 smoke: install
 	$(PY) tests/smoke_sweep.py
@@ -72,3 +74,32 @@ fork:
 
 clean:
 	rm -rf _build
+
+## make colab: the Colab proof. A clean venv (.venv-colab) with torch 2.13.0 (CPU), `pip install .`, the labs'
+## own extra installs and a kernel, nothing else; every lab executed there with nbclient (GPU hidden).
+## COLAB_ARGS=--nbval runs nbval there instead (the same execution, stored outputs compared).
+colab:
+	python3 tests/colab_venv.py --jobs 2 $(COLAB_ARGS)
+
+## make gpu: every lab at the GPU sizes of book/gpu_params.yaml (papermill); executed notebooks and JSON of
+## glued scalars with provenance under book/results/<gpu>/. No install step: run `make install` first, or
+## scripts/gpu_run.sh on a machine without a package index. GPU_LABS=01_cache_contents,... picks chapters.
+GPU_PARAMS ?= book/gpu_params.yaml
+GPU_LABS ?=
+GPU_OUT ?= book/results
+gpu:
+	$(PY) -m kvlab.gpu --root . --params $(GPU_PARAMS) --out $(GPU_OUT) --labs "$(GPU_LABS)"
+
+## make gpu-wheels: the wheels scripts/gpu_run.sh installs offline (scripts/gpu_wheels.txt, --no-deps), for a
+## GPU machine's Python GPU_PYTHON; fails above 60 MiB.
+GPU_WHEELS ?= .gpu-wheels
+GPU_PYTHON ?= 3.12
+gpu-wheels: install
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
+	  --platform manylinux1_x86_64 -d $(GPU_WHEELS) -r scripts/gpu_wheels.txt
+	cp scripts/gpu_wheels.txt $(GPU_WHEELS)/requirements.txt
+	@mib=$$(du -sm $(GPU_WHEELS) | cut -f1); echo "$(GPU_WHEELS): $$mib MiB"; \
+	  test $$mib -le 60 || { echo "$(GPU_WHEELS) is $$mib MiB, over the 60 MiB limit"; exit 1; }

@@ -4,22 +4,22 @@
 # Before (on a machine with the index):  make gpu-wheels      # fills .gpu-wheels/ (at most 60 MiB, checked)
 # On the GPU machine:                    OUT=/some/dir scripts/gpu_run.sh [CHAPTER,CHAPTER...]
 #
-# 1. A venv that sees the machine's own packages (its torch, CUDA build and all), with the carried wheels
-#    installed offline over them (--no-index --find-links): transformers 5.24, myst-nb, papermill, ...;
-#    kvlab itself is imported from this tree's src/ (PYTHONPATH), so results name this tree's commit.
+# 1. The carried wheels installed offline (--no-index --no-deps) into GPU_SITE (.gpu-site), put on PYTHONPATH
+#    ahead of the machine's own packages (its torch, CUDA build and all): transformers 5.24, myst-nb, papermill,
+#    ipykernel, ...; kvlab itself is imported from this tree's src/, so results name this tree's commit.
 # 2. `make gpu`: python -m kvlab.gpu, every lab (or the chapters given) at book/gpu_params.yaml's sizes,
 #    results under book/results/<gpu>/, within GPU_TIMEOUT seconds (default 480: 8 minutes).
 # 3. A copy of the results under $OUT/results/, and the log under $OUT/gpu_run.log.
 #
 # KVLAB_GPU_STUB=cpu runs the same steps with the GPU hidden (the CPU dry run of tests/test_gpu_run.py);
 # GPU_PARAMS=FILE replaces book/gpu_params.yaml (the dry run passes CPU sizes), GPU_RESULTS=DIR book/results;
-# PYTHON picks the interpreter, GPU_VENV the venv (empty: install into PYTHON's environment).
+# PYTHON picks the interpreter (default python3), GPU_SITE the install folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder that receives the results}"
 WHEELS=${WHEELS:-.gpu-wheels}
 PYTHON=${PYTHON:-python3}
-GPU_VENV=${GPU_VENV-.venv-gpu}
+GPU_SITE=$(realpath -m "${GPU_SITE:-.gpu-site}")
 GPU_TIMEOUT=${GPU_TIMEOUT:-480}
 GPU_PARAMS=${GPU_PARAMS:-book/gpu_params.yaml}
 LABS=${1:-}
@@ -32,16 +32,15 @@ if [ ! -f "$WHEELS/requirements.txt" ]; then
   exit 2
 fi
 start=$(date +%s)
-if [ -n "$GPU_VENV" ]; then  # GPU_VENV= (empty) installs into PYTHON's own environment
-  [ -x "$GPU_VENV/bin/python" ] || "$PYTHON" -m venv --system-site-packages "$GPU_VENV"
-  PY="$GPU_VENV/bin/python"
-else
-  PY="$PYTHON"
-fi
-# Offline: the carried wheels only; what the machine already has (torch) satisfies the rest.
+# Offline, --no-deps: the carried wheels (scripts/gpu_wheels.txt) into GPU_SITE, ahead of the machine's own
+# packages on PYTHONPATH (its torch stays; transformers 5.24 shadows its 5.17). No venv: the machine's python3 is
+# itself a venv (/opt/torch/.venv), whose packages a venv made from it would not see.
+PY="$PYTHON"
 if grep -q '^[^#[:space:]]' "$WHEELS/requirements.txt"; then
-  "$PY" -m pip install -q --no-index --find-links "$WHEELS" -r "$WHEELS/requirements.txt"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$GPU_SITE" \
+    --find-links "$WHEELS" -r "$WHEELS/requirements.txt"
 fi
+export PYTHONPATH="$PWD/src:$GPU_SITE${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" - <<'EOF'
 import torch, transformers
 print(f"gpu_run: torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__},"
@@ -49,7 +48,6 @@ print(f"gpu_run: torch {torch.__version__} (CUDA {torch.version.cuda}), transfor
 EOF
 echo "gpu_run: installed in $(( $(date +%s) - start )) s"
 
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 GPU_RESULTS=${GPU_RESULTS:-book/results}
 timeout "$GPU_TIMEOUT" make --no-print-directory gpu PY="$PY" GPU_PARAMS="$GPU_PARAMS" GPU_LABS="$LABS" \

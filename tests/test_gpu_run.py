@@ -50,7 +50,7 @@ def test_gpu_run_script_dry_run_on_cpu(tmp_path):
         OUT=str(out),
         WHEELS=str(wheels),
         PYTHON=sys.executable,
-        GPU_VENV="",
+        GPU_SITE=str(tmp_path / "site"),
         GPU_PARAMS=str(params),
         GPU_RESULTS=str(results),
         KVLAB_GPU_STUB="cpu",
