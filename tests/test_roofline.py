@@ -272,3 +272,20 @@ def test_realism_rejects_bad_shares():
         roofline.Realism(bandwidth_efficiency=1.5)
     with pytest.raises(ValueError, match="step_overhead_s"):
         roofline.Realism(step_overhead_s=-1)
+
+
+def test_realistic_takes_measured_ceilings_whole():
+    """A hardware.measure() result is already an achieved ceiling: no efficiency factor on top, only the overhead."""
+    measured = hardware.Measurement(
+        name="measured test",
+        memory_bytes=2**34,
+        bandwidth_bytes_per_s=1e12,
+        flops=1e14,
+        flops_dtype="bf16",
+        host_link_bytes_per_s=None,
+        copy_bytes=2**28,
+        matmul_size=4096,
+    )
+    step = roofline.decode_step(LLAMA3, measured, 4, 1024, dtype="bf16")
+    realistic = roofline.decode_step_time(LLAMA3, measured, 4, 1024, dtype="bf16", realistic=True)
+    assert realistic == pytest.approx(step.time_s + roofline.REALISM.step_overhead_s)
