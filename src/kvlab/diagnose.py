@@ -47,6 +47,8 @@ OVERSIZED_CONTEXT = 4.0  # max_model_len at least this many times the mean reque
 PREFIX_SHARE = 0.25  # a shared prefix at least this share of the mean prompt is worth caching
 FRAGMENTATION_SHARE = 0.10  # block rounding above this share of the resident tokens
 LONG_REQUEST_SHARE = 0.25  # one longest request taking at least this share of the pool
+LONGEST_OVER_MEAN = 4  # the longest prompt or output, when not given, as a multiple of the mean
+GQA_HEADS = 8  # the KV heads of the GQA alternative an MHA model is compared with (Llama-3's choice)
 KV_DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8")
 
 
@@ -62,8 +64,8 @@ class Workload:
     gpu: str
     mean_input: float  # prompt tokens per request
     mean_output: float  # generated tokens per request
-    max_input: int | None = None  # the longest prompt (P99 or max); default 4x the mean
-    max_output: int | None = None  # the longest output; default 4x the mean
+    max_input: int | None = None  # the longest prompt (P99 or max); default LONGEST_OVER_MEAN × the mean
+    max_output: int | None = None  # the longest output; default LONGEST_OVER_MEAN × the mean
     rate: float | None = None  # requests per second (open loop) ...
     concurrency: int | None = None  # ... or requests in flight (closed loop)
     prefix_fraction: float = 0.0  # share of requests that start with one shared prefix
@@ -135,11 +137,11 @@ class Workload:
 
     @property
     def longest_input(self) -> int:
-        return self.max_input or math.ceil(4 * self.mean_input)
+        return self.max_input or math.ceil(LONGEST_OVER_MEAN * self.mean_input)
 
     @property
     def longest_output(self) -> int:
-        return self.max_output or math.ceil(4 * self.mean_output)
+        return self.max_output or math.ceil(LONGEST_OVER_MEAN * self.mean_output)
 
     @property
     def model_max_len(self) -> int:
@@ -349,7 +351,9 @@ def diagnose(w: Workload) -> Diagnosis:
 
     # 3. MHA/GQA/MQA.
     attention = spec.attention_type
-    gqa_per_token = per_token * min(8, spec.kv_heads) // spec.kv_heads if attention == "MHA" else per_token
+    gqa_per_token = (
+        per_token * min(GQA_HEADS, spec.kv_heads) // spec.kv_heads if attention == "MHA" else per_token
+    )
     applies = memory.fits and attention == "MHA" and resident > pool
     levers.append(
         Lever(
@@ -358,7 +362,7 @@ def diagnose(w: Workload) -> Diagnosis:
             applies,
             (
                 f"{attention}: {spec.kv_heads} KV heads cost {format_bytes(per_token)} per token; a GQA model "
-                f"with 8 KV heads and the same layers would store {format_bytes(gqa_per_token)}"
+                f"with {GQA_HEADS} KV heads and the same layers would store {format_bytes(gqa_per_token)}"
                 if applies
                 else f"{attention} with {spec.kv_heads} KV head(s): {format_bytes(per_token)} per token"
             ),
