@@ -88,7 +88,7 @@ def test_contiguous_reservations_fire_paging():
     )
     lever = diagnose(w).first
     assert lever is not None and lever.step == 6
-    assert lever.numbers["fragmentation"] == pytest.approx((2048 - 300) / 2048)
+    assert lever.numbers["fragmentation"] == pytest.approx((2048 - 299.5) / 2048)
     assert first(Workload(**{**w.__dict__, "paged": True})) is None  # the same load, paged, fits
 
 
@@ -189,3 +189,15 @@ def test_files(tmp_path):
     (tmp_path / "empty.yaml").write_text("")
     with pytest.raises(WorkloadError, match="empty"):
         load_workload(tmp_path / "empty.yaml")
+
+
+def test_resident_tokens_weight_requests_by_their_output_length():
+    w = Workload(LLAMA, "H100-SXM", 100, 50, concurrency=1)
+    assert w.mean_resident == 100 + (50 - 1) / 2  # p, p + 1, ..., p + n - 2 over n - 1 steps
+    # Outputs of 25 and 75 tokens (mean 50, cv 0.5): the long one holds its slot three times as many steps.
+    steps = [100 + k for n in (25, 75) for k in range(n - 1)]
+    by_hand = sum(steps) / len(steps)
+    spread = Workload(LLAMA, "H100-SXM", 100, 50, concurrency=1, output_cv=0.5)
+    assert spread.mean_resident == pytest.approx(by_hand, rel=0.02)
+    with pytest.raises(WorkloadError, match="output_cv"):
+        Workload(LLAMA, "H100-SXM", 100, 50, concurrency=1, output_cv=-1)

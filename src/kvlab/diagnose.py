@@ -70,6 +70,7 @@ class Workload:
     concurrency: int | None = None  # ... or requests in flight (closed loop)
     prefix_fraction: float = 0.0  # share of requests that start with one shared prefix
     prefix_len: int = 0  # tokens of that prefix
+    output_cv: float = 0.0  # coefficient of variation of the output length (std / mean); 0: all equal
     kv_dtype: str = "bf16"
     weight_dtype: str = "bf16"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
@@ -112,6 +113,12 @@ class Workload:
             or not 0 < self.rate < math.inf
         ):
             raise WorkloadError(f"rate must be a positive number of requests per second, got {self.rate!r}")
+        if (
+            isinstance(self.output_cv, bool)
+            or not isinstance(self.output_cv, (int, float))
+            or not 0 <= self.output_cv < math.inf
+        ):
+            raise WorkloadError(f"output_cv must be a number >= 0, got {self.output_cv!r}")
         if not isinstance(self.prefix_fraction, (int, float)) or not 0 <= self.prefix_fraction <= 1:
             raise WorkloadError(f"prefix_fraction must be in [0, 1], got {self.prefix_fraction!r}")
         if (
@@ -161,8 +168,12 @@ class Workload:
 
     @property
     def mean_resident(self) -> float:
-        """Tokens a request holds on average over its life (prompt plus half its output)."""
-        return self.mean_input + self.mean_output / 2
+        """Tokens a running request holds, averaged over engine steps: a request generating `n` tokens after a
+        `p`-token prompt holds `p, p + 1, ..., p + n - 2` in its `n - 1` decode steps' ends, and requests with
+        long outputs occupy more steps, so the average weights each request by `n`:
+        `E[p] + (E[n^2] / E[n] - 1) / 2 = mean_input + (mean_output × (1 + output_cv²) - 1) / 2`
+        (prompt and output lengths independent). With `output_cv = 0` every output has the mean length."""
+        return self.mean_input + max(0.0, self.mean_output * (1 + self.output_cv**2) - 1) / 2
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -608,6 +619,7 @@ _FLAG_TYPES: dict[str, Any] = {
     "concurrency": int,
     "prefix_fraction": float,
     "prefix_len": parse_tokens,
+    "output_cv": float,
     "kv_dtype": str,
     "weight_dtype": str,
     "max_model_len": parse_tokens,
