@@ -11,7 +11,7 @@ export PYTHONHASHSEED := 0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install book test lint pytest nbval smoke book-check outputs clean fork lab browser colab gpu gpu-wheels
+.PHONY: install book test lint pytest nbval smoke book-check outputs clean fork lab browser colab colab-nbval gpu gpu-wheels
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -28,8 +28,9 @@ book: install
 	rm -rf _build/html _build/.doctrees
 	$(BIN)/jupyter-book build . --all -W -n --keep-going
 
-## make test: lint, pytest, nbval on every notebook, a papermill smoke sweep, and a warning-free book build.
-test: lint pytest nbval smoke book browser
+## make test: lint, pytest, nbval on every notebook (in the Colab-like clean venv), a papermill smoke sweep, and a
+## warning-free book build.
+test: lint pytest colab-nbval smoke book browser
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks _ext
@@ -80,6 +81,11 @@ clean:
 ## COLAB_ARGS=--nbval runs nbval there instead (the same execution, stored outputs compared).
 colab:
 	python3 tests/colab_venv.py --jobs 2 $(COLAB_ARGS)
+
+## make colab-nbval: nbval in that clean venv. `make test` runs it in place of `make nbval`: each lab is executed
+## once, in what a Colab reader's install gives, and its stored outputs are compared there (GPU hidden).
+colab-nbval:
+	python3 tests/colab_venv.py --nbval
 
 ## make gpu: every lab at the GPU sizes of book/gpu_params.yaml (papermill); executed notebooks and JSON of
 ## glued scalars with provenance under book/results/<gpu>/. No install step: run `make install` first, or
