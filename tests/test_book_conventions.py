@@ -111,3 +111,10 @@ def test_readme_module_map_matches_the_code():
     modules = {p.stem for p in (ROOT / "src" / "kvlab").glob("*.py") if not p.stem.startswith("_")}
     assert named - modules == set(), "README names modules that do not exist"
     assert modules - {"cli", "env"} - named == set(), "modules missing from the README's module map"
+
+
+def test_install_cells_pin_the_executed_kvlab():
+    # Colab installs the kvlab a lab's outputs come from (tag v<kvlab.__version__>), not the default branch.
+    import install_cell
+
+    assert install_cell.stale(ROOT / "book") == []
