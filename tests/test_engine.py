@@ -105,7 +105,10 @@ def test_contiguous_baseline_same_tokens_lower_utilisation(llama):
         outputs = engine.replay(trace)
         assert [len(o.token_ids) for o in outputs] == [r.max_tokens for r in trace]
         utilisation[layout] = mean_kv_utilisation(engine.step_stats)
-        assert max(s.blocks_used for s in engine.step_stats) <= 96
+        if (
+            layout == "contiguous"
+        ):  # every running request holds a whole max_model_len reservation: 96 / 4 blocks
+            assert all(s.blocks_used == 24 * s.num_running for s in engine.step_stats)
     assert utilisation["paged"] > 0.7 > utilisation["contiguous"]
 
 
@@ -145,7 +148,7 @@ def test_virtual_clock_replay_is_deterministic_and_records_steps(llama):
         assert len(m.itls) == len(out.token_ids) - 1 and m.ttft > 0
     stats = engine.step_stats
     assert max(s.num_running for s in stats) <= 4
-    assert all(s.used_token_slots <= s.reserved_token_slots == s.blocks_used * 4 for s in stats)
+    assert all(s.used_token_slots <= s.reserved_token_slots for s in stats)
     assert [s.time for s in stats] == sorted(s.time for s in stats)
 
 
@@ -189,9 +192,12 @@ def test_measured_fragmentation_equals_prediction_and_occupancy(llama):
     for num_blocks in (64, 12):  # roomy, and short enough to preempt
         engine = LLMEngine(llama, block_size=4, num_blocks=num_blocks, max_num_seqs=4, clock="virtual")
         engine.replay(trace)
-        assert measured_fragmentation(engine.step_stats) == predicted_fragmentation(
-            resident_lengths(trace), 4
-        )
+        # The prediction from the lengths alone, not through the allocator's own blocks_for.
+        lengths = resident_lengths(trace)
+        expected = predicted_fragmentation(lengths, 4)
+        assert expected.last_block_waste == sum((-n) % 4 for n in lengths) / len(lengths)
+        assert expected.table_entries == sum((n + 3) // 4 for n in lengths) / len(lengths)
+        assert measured_fragmentation(engine.step_stats) == expected
         occupancy = mean_batch_occupancy(engine.step_stats)
         assert 0 < occupancy <= 4
     assert engine.num_preemptions > 0
