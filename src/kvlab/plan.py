@@ -324,8 +324,12 @@ def plan(
             per_replica, conc = None, max(1, workload.concurrency // replicas)
         else:
             per_replica, conc = (workload.rate or 0.0) / replicas, None
+        return serve(workload.trace(per_replica, vocab), conc)
+
+    def serve(trace: list[TraceRequest], concurrency: int | None) -> SimulationResult:
+        """One replica of the planned engine serving `trace`."""
         return simulate(
-            workload.trace(per_replica, vocab),
+            trace,
             cost,
             num_blocks=mb.num_blocks,
             block_size=mb.block_size,
@@ -333,23 +337,12 @@ def plan(
             max_num_batched_tokens=engine.max_num_batched_tokens,
             max_model_len=context,
             enable_prefix_caching=caching,
-            concurrency=conc,
+            concurrency=concurrency,
             record_steps=False,
         )
 
     # Targets no GPU count meets: even a request alone on an idle replica misses them.
-    alone = simulate(
-        workload.trace(None, vocab)[:20],
-        cost,
-        num_blocks=mb.num_blocks,
-        block_size=mb.block_size,
-        max_num_seqs=engine.max_num_seqs,
-        max_num_batched_tokens=engine.max_num_batched_tokens,
-        max_model_len=context,
-        enable_prefix_caching=caching,
-        concurrency=1,
-        record_steps=False,
-    )
+    alone = serve(workload.trace(None, vocab)[:20], 1)
     if not targets.met(alone.requests):
         s = alone.summary(qs=(targets.percentile,))
         q = f"p{targets.percentile:g}"
