@@ -118,3 +118,43 @@ def test_install_cells_pin_the_executed_kvlab():
     import install_cell
 
     assert install_cell.stale(ROOT / "book") == []
+
+
+CHAPTER_REFERENCE = re.compile(r"\b(chapters?\s+\d+(?:[-–]\d+)?|(?:next|previous)\s+chapter)\b", re.I)
+
+
+def unlinked_chapter_references(markdown: str) -> list[str]:
+    """ "chapter N", "chapters N and M", "next chapter" in prose outside a link, code or the page title.
+
+    The same pattern as the browser check's readability note (tests/browser_book.py), on the Markdown source.
+    """
+    kept, fence = [], None
+    for line in markdown.splitlines():
+        stripped = line.lstrip()
+        marker = re.match(r"(`{3,}|~{3,})", stripped)
+        if marker and fence is None and not stripped[len(marker[1]) :].startswith("{"):
+            fence = marker[1]
+        elif marker and fence is not None and stripped.startswith(fence):
+            fence = None
+        elif fence is None and not stripped.startswith("# "):
+            kept.append(line)
+    prose = "\n".join(kept)
+    prose = re.sub(
+        r"!?\[[^\]]*\]\([^)]*\)", " ", prose
+    )  # links (a link's text is allowed to say "chapter 2")
+    prose = re.sub(r"`[^`]*`", " ", prose)  # code spans and roles such as {glue:text}`...`
+    return [" ".join(m[0].split()) for m in CHAPTER_REFERENCE.finditer(prose)]
+
+
+def test_unlinked_chapter_references_are_found():
+    text = "See chapter 2 and [chapter 3](../03/index.md), chapters\n5 and [6](x.md); the next chapter.\n"
+    text += "```python\n# chapter 9 in code\n```\n`chapter 4`\n"
+    assert unlinked_chapter_references(text) == ["chapter 2", "chapters 5", "next chapter"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_chapter_references_are_links(page):
+    found = unlinked_chapter_references(page.read_text())
+    assert found == [], (
+        f"{page.relative_to(ROOT)}: link each chapter mention, e.g. [chapter 2](../02_sizing/index.md): {found}"
+    )
