@@ -100,3 +100,70 @@ def test_missing_wheels_folder_says_how_to_make_it(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path / "o"), WHEELS=str(tmp_path / "none"))
     done = subprocess.run(["bash", "scripts/gpu_run.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 2 and "run 'make gpu-wheels'" in done.stdout
+
+
+def test_gpu_results_directive_renders_a_fake_results_folder(tmp_path):
+    """The book's `gpu-results` directive (_ext/kvlab_gpu_results.py), built by Sphinx with -W: a chapter with a
+    recorded run shows its values and provenance; one without says no GPU run is recorded yet."""
+    for chapter in ("04_fake", "05_fake"):
+        (tmp_path / "book" / chapter).mkdir(parents=True)
+        (tmp_path / "book" / chapter / "index.md").write_text(
+            f"# Chapter {chapter}\n\n```{{gpu-results}}\n```\n"
+        )
+    (tmp_path / "index.md").write_text(
+        "# Fake book\n\n```{toctree}\nbook/04_fake/index\nbook/05_fake/index\n```\n"
+    )
+    gpu = tmp_path / "book" / "results" / slug("NVIDIA H200")
+    gpu.mkdir(parents=True)
+    prov = {
+        "device": "NVIDIA H200",
+        "driver": "570.1",
+        "cuda": "12.8",
+        "torch": "2.11.0",
+        "transformers": "5.24.0",
+        "kvlab": "0.9.0",
+        "kvlab_commit": "0123456789abcdef",
+        "date": "2026-11-30",
+    }
+    record = {
+        "chapter": "04_fake",
+        "status": "ok",
+        "error": "",
+        "values": {"ch4_gbps": 4321.5},
+        "provenance": prov,
+    }
+    (gpu / "04_fake.json").write_text(json.dumps(record))
+    glued = {  # the CPU value, as the lab's stored outputs hold it (myst-nb's glue)
+        "output_type": "display_data",
+        "data": {"application/papermill.record/text/plain": "1234.5"},
+        "metadata": {"scrapbook": {"name": "ch4_gbps"}},
+    }
+    lab = {"cells": [{"cell_type": "code", "source": "", "outputs": [glued]}]}
+    (tmp_path / "book" / "04_fake" / "lab.ipynb").write_text(json.dumps(lab))
+    stub = tmp_path / "book" / "results" / "cpu-stub"  # a dry run is never shown
+    stub.mkdir()
+    (stub / "05_fake.json").write_text(json.dumps(record | {"chapter": "05_fake"}))
+    (tmp_path / "conf.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(ROOT / '_ext')!r})\n"
+        "extensions = ['myst_parser', 'kvlab_gpu_results']\nexclude_patterns = ['_build', '**/*.ipynb']\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-W", "-q", "-b", "html", str(tmp_path), str(tmp_path / "_build")],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with_run = (tmp_path / "_build" / "book" / "04_fake" / "index.html").read_text()
+    for text in (
+        "Measured on NVIDIA H200",
+        "measured on NVIDIA H200",
+        "ch4_gbps",
+        "4,322",
+        "1,234",
+        "driver 570.1",
+    ):
+        assert text in with_run, text
+    for text in ("CUDA 12.8", "torch 2.11.0", "transformers 5.24.0", "commit 0123456789ab", "2026-11-30"):
+        assert text in with_run, text
+    without = (tmp_path / "_build" / "book" / "05_fake" / "index.html").read_text()
+    assert NO_GPU_RUN in without and "NVIDIA H200" not in without

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,10 @@ class Table:
 
     def _cells(self) -> list[list[str]]:
         return [[_fmt(value) for value in row] for row in self.rows]
+
+    def formatted_rows(self) -> list[list[str]]:
+        """The rows as the table prints them (thousands separators, 3 significant digits)."""
+        return self._cells()
 
     def __repr__(self) -> str:
         cells = [list(self.columns), *self._cells()]
@@ -87,11 +91,30 @@ def gpu_results(chapter: str, results: str | Path | None = None) -> list[dict[st
     return records
 
 
+def gpu_provenance(record: dict[str, Any]) -> str:
+    """One recorded run's provenance in a line: GPU, driver, CUDA, torch, transformers, kvlab and its commit, date
+    (and the error of a failed run)."""
+    p = record.get("provenance", {})
+    commit = str(p.get("kvlab_commit", "unknown"))[:12]
+    status = "" if record.get("status") == "ok" else f"; run FAILED: {record.get('error', '')}"
+    return (
+        f"{p.get('device', record.get('gpu_folder', '?'))}: driver {p.get('driver', '?')}, CUDA {p.get('cuda', '?')}, "
+        f"torch {p.get('torch', '?')}, transformers {p.get('transformers', '?')}, kvlab {p.get('kvlab', '?')} "
+        f"(commit {commit}), {p.get('date', '?')}{status}"
+    )
+
+
 def gpu_results_table(
-    chapter: str, results: str | Path | None = None, keys: Sequence[str] | None = None
+    chapter: str,
+    results: str | Path | None = None,
+    keys: Sequence[str] | None = None,
+    cpu: Mapping[str, Any] | None = None,
 ) -> Table:
     """The chapter's glued scalars as measured on each recorded GPU, one column per GPU, with each run's
-    provenance in the caption; a one-row table saying no GPU run is recorded yet when there is none."""
+    provenance in the caption; a one-row table saying no GPU run is recorded yet when there is none.
+
+    `cpu`, when given (e.g. `kvlab.sweep.glued_scalars` of the lab's stored outputs), adds the CPU values as the
+    first column of values, beside the GPU ones."""
     records = gpu_results(chapter, results)
     if not records:
         return Table(
@@ -103,18 +126,17 @@ def gpu_results_table(
             ],
         )
     names = list(keys) if keys is not None else list(dict.fromkeys(k for r in records for k in r["values"]))
-    columns = ["value", *(f"measured on {r['provenance'].get('device', r['gpu_folder'])}" for r in records)]
-    rows = [[name, *(r["values"].get(name, "") for r in records)] for name in names]
+    devices = [f"measured on {r['provenance'].get('device', r['gpu_folder'])}" for r in records]
+    columns = ["value", *(["CPU (stored lab outputs)"] if cpu is not None else []), *devices]
+    rows = [
+        [
+            name,
+            *([cpu.get(name, "")] if cpu is not None else []),
+            *(r["values"].get(name, "") for r in records),
+        ]
+        for name in names
+    ]
     if not rows:
-        rows = [["(no glued values)", *(r["status"] for r in records)]]
-    notes = []
-    for r in records:
-        p = r["provenance"]
-        commit = p.get("kvlab_commit", "unknown")[:12]
-        status = "" if r["status"] == "ok" else f"; run FAILED: {r['error']}"
-        notes.append(
-            f"{p.get('device', r['gpu_folder'])}: driver {p.get('driver', '?')}, CUDA {p.get('cuda', '?')}, "
-            f"torch {p.get('torch', '?')}, transformers {p.get('transformers', '?')}, kvlab {p.get('kvlab', '?')} "
-            f"({commit}), {p.get('date', '?')}{status}"
-        )
+        rows = [["(no glued values)", *([""] if cpu is not None else []), *(r["status"] for r in records)]]
+    notes = [gpu_provenance(r) for r in records]
     return Table(columns, rows, caption="Recorded GPU runs (make gpu): " + " | ".join(notes))

@@ -1,0 +1,83 @@
+"""Sphinx extension: the `gpu-results` directive shows a chapter's recorded `make gpu` runs on its page.
+
+In a chapter's Markdown page:
+
+    ```{gpu-results}
+    ```
+
+renders, under a "Measured on <GPU>" heading, the lab's glued scalars from every book/results/<gpu>/<chapter>.json
+(`kvlab.report.gpu_results_table`), beside the CPU values of the lab's stored outputs, and one provenance line per
+run (GPU, driver, CUDA, torch, transformers, kvlab commit, date). With no recorded run it says that no GPU run is
+recorded yet. The chapter is the page's folder (`book/04_bandwidth_bound/index.md` -> `04_bandwidth_bound`), or
+the directive's argument. `kvlab_gpu_results` (default `book/results`, relative to the book's root) is the folder.
+Dry runs (`cpu-stub/`) are never shown.
+"""
+
+from pathlib import Path
+
+from docutils import nodes
+from sphinx.util.docutils import SphinxDirective
+
+
+def table_node(columns, rows) -> nodes.table:
+    """A docutils table (any builder renders it) with a header row."""
+    table = nodes.table(classes=["kvlab-table", "kvlab-gpu-results"])
+    group = nodes.tgroup(cols=len(columns))
+    table += group
+    for _ in columns:
+        group += nodes.colspec(colwidth=1)
+    for section, lines in ((nodes.thead(), [columns]), (nodes.tbody(), rows)):
+        for cells in lines:
+            row = nodes.row()
+            for cell in cells:
+                entry = nodes.entry()
+                entry += nodes.paragraph(text=str(cell))
+                row += entry
+            section += row
+        group += section
+    return table
+
+
+class GpuResults(SphinxDirective):
+    optional_arguments = 1  # the chapter folder; default: the page's folder
+    has_content = False
+
+    def run(self) -> list[nodes.Node]:
+        from kvlab import report
+        from kvlab.sweep import glued_scalars
+
+        chapter = self.arguments[0] if self.arguments else Path(self.env.docname).parent.name
+        results = Path(self.env.srcdir) / self.config.kvlab_gpu_results
+        for path in sorted(results.glob(f"*/{chapter}.json")):
+            self.env.note_dependency(str(path))  # a new or changed record rebuilds the page
+        records = report.gpu_results(chapter, results)
+        if not records:
+            text = (
+                f"Measured on a GPU: {report.NO_GPU_RUN} for this chapter. `make gpu` on a GPU machine runs the"
+                f" lab at the sizes of book/gpu_params.yaml and writes book/results/<gpu>/{chapter}.json, which"
+                " this page then shows beside the CPU figures."
+            )
+            return [nodes.paragraph(text=text, classes=["kvlab-gpu-results"])]
+        lab = results.parent / chapter / "lab.ipynb"
+        cpu = glued_scalars(lab) if lab.is_file() else None
+        table = report.gpu_results_table(chapter, results, cpu=cpu)
+        devices = list(dict.fromkeys(r["provenance"].get("device", r["gpu_folder"]) for r in records))
+        heading = nodes.rubric(text="Measured on " + ", ".join(devices))
+        intro = nodes.paragraph(
+            text=(
+                "The lab's glued values at the GPU sizes of book/gpu_params.yaml (make gpu), beside the CPU"
+                " values of its stored outputs. Each run's provenance:"
+            )
+        )
+        provenance = nodes.bullet_list()
+        for record in records:
+            item = nodes.list_item()
+            item += nodes.paragraph(text=report.gpu_provenance(record))
+            provenance += item
+        return [heading, intro, provenance, table_node(table.columns, table.formatted_rows())]
+
+
+def setup(app):
+    app.add_config_value("kvlab_gpu_results", "book/results", "env")
+    app.add_directive("gpu-results", GpuResults)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
