@@ -5,9 +5,9 @@ import math
 import pytest
 from transformers import PretrainedConfig
 
-from kvlab import hardware
+from kvlab import hardware, timing
 from kvlab.models import tiny_model
-from kvlab.roofline import REALISM, decode_step, realistic_time
+from kvlab.roofline import REALISM, Realism, decode_step, realistic_time
 from kvlab.timing import hollow_config, measure_step_overhead
 
 
@@ -43,3 +43,47 @@ def test_measured_overhead_feeds_the_realistic_model():
     # the realistic time moves by exactly the difference between the measured and the default overhead
     delta = realistic_time(step, hw, realism=realism) - realistic_time(step, hw)
     assert delta == pytest.approx(overhead.step_s - REALISM.step_overhead_s)
+
+
+# A measured device with round figures, so the predictions below are exact arithmetic (no timing involved).
+FAKE_DEVICE = hardware.Measurement(
+    name="fake device",
+    memory_bytes=2**34,
+    bandwidth_bytes_per_s=10e9,
+    flops=40e9,
+    flops_dtype="float32",
+    host_link_bytes_per_s=None,
+    copy_bytes=2**28,
+    matmul_size=1024,
+)
+
+
+def test_compare_decode_adds_the_measured_overhead_to_the_roofline():
+    model = tiny_model("llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=256, device="cpu")
+    realism = Realism(step_overhead_s=2e-3)
+    bare, real = (
+        timing.compare_decode(model, FAKE_DEVICE, [1, 2], [8], repeat=2, warmup=0, realism=r)
+        for r in (None, realism)
+    )
+    for b, r in zip(bare, real, strict=True):
+        assert b.predicted_s is None and b.prediction_s == b.predicted.time_s
+        step = r.predicted
+        # a measured device's ceilings are used whole: max(FLOPs / peak, bytes / bandwidth) + overhead
+        expected = max(step.flops / 40e9, step.bytes / 10e9) + 2e-3
+        assert r.prediction_s == pytest.approx(expected)
+        assert r.best_ratio == r.measured.best_s / expected and r.ratio == r.measured.median_s / expected
+
+
+def test_rounds_collect_repeat_steps_per_round_at_every_point():
+    model = tiny_model("llama", layers=2, hidden=64, heads=4, vocab=256, device="cpu")
+    rows = timing.compare_decode(model, FAKE_DEVICE, [1, 3], [4, 9], repeat=2, warmup=1, rounds=3)
+    assert [(r.measured.batch_size, r.measured.tokens) for r in rows] == [(1, 4), (1, 9), (3, 4), (3, 9)]
+    assert all(len(r.measured.seconds) == 6 for r in rows)
+    with pytest.raises(ValueError, match="rounds"):
+        timing.compare_decode(model, FAKE_DEVICE, [1], [4], rounds=0)
+
+
+def test_best_ratio_uses_the_fastest_step():
+    step = decode_step("meta-llama/Llama-3.1-8B", "H100-SXM", 1, 1024, dtype="bf16")
+    row = timing.DecodeComparison(timing.StepTiming(1, 1024, (3.0, 1.0, 2.0)), step, predicted_s=0.5)
+    assert (row.best_ratio, row.ratio) == (2.0, 4.0)

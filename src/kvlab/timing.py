@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, P
 from kvlab.arch import describe
 from kvlab.hardware import Accelerator, Measurement
 from kvlab.measure import Timer, percentiles
-from kvlab.roofline import REALISM, Realism, StepEstimate, decode_step
+from kvlab.roofline import REALISM, Realism, StepEstimate, decode_step, realistic_time
 from kvlab.sizing import check_count
 
 
@@ -50,7 +50,37 @@ def random_ids(model: PreTrainedModel, batch_size: int, length: int, seed: int) 
     return ids.to(model.device)
 
 
-@torch.inference_mode()
+class _DecodeBench:
+    """One decode point made ready to time: `batch_size` sequences with a cache of `context_len - 1` tokens.
+
+    Each `step()` times one single-token forward (so it attends over `context_len`, as
+    `kvlab.roofline.decode_step` counts), then crops the cache back so every step sees the same length. Where
+    a sliding-window layer is already full the cache cannot be cropped; its full-attention layers then grow by
+    one token per step.
+    """
+
+    def __init__(self, model: PreTrainedModel, batch_size: int, context_len: int, seed: int) -> None:
+        check_count("batch_size", batch_size)
+        check_count("context_len", context_len)
+        self.model, self.batch_size, self.context_len = model, batch_size, context_len
+        self.ids = random_ids(model, batch_size, context_len, seed)
+        self.cache = DynamicCache(config=model.config)
+        if context_len > 1:
+            with torch.inference_mode():
+                model(self.ids[:, :-1], cache=self.cache, use_cache=True, logits_to_keep=1)
+        # Cropping undoes the step only while no layer has dropped a token: every layer holds the whole context.
+        layers = describe(model.config).layers
+        self.crop = all(layer.cached_tokens(context_len) == context_len for layer in layers)
+
+    @torch.inference_mode()
+    def step(self) -> float:
+        with Timer(self.model.device) as timer:
+            self.model(self.ids[:, -1:], cache=self.cache, use_cache=True)
+        if self.crop:
+            self.cache.crop(-1)
+        return timer.seconds
+
+
 def measure_decode_step(
     model: PreTrainedModel,
     batch_size: int = 1,
@@ -66,25 +96,12 @@ def measure_decode_step(
     sees the same length. Only the forward pass is timed. Where a sliding-window layer is already full the
     cache cannot be cropped; its full-attention layers then grow by one token per repeat.
     """
-    check_count("batch_size", batch_size)
-    check_count("context_len", context_len)
     check_count("repeat", repeat)
     check_count("warmup", warmup, 0)
-    ids = random_ids(model, batch_size, context_len, seed)
-    cache = DynamicCache(config=model.config)
-    if context_len > 1:
-        model(ids[:, :-1], cache=cache, use_cache=True, logits_to_keep=1)
-    # Cropping undoes the step only while no layer has dropped a token: every layer still holds the whole context.
-    crop = all(layer.cached_tokens(context_len) == context_len for layer in describe(model.config).layers)
-    times = []
-    for i in range(warmup + repeat):
-        with Timer(model.device) as timer:
-            model(ids[:, -1:], cache=cache, use_cache=True)
-        if crop:
-            cache.crop(-1)
-        if i >= warmup:
-            times.append(timer.seconds)
-    return StepTiming(batch_size, context_len, tuple(times))
+    bench = _DecodeBench(model, batch_size, context_len, seed)
+    for _ in range(warmup):
+        bench.step()
+    return StepTiming(batch_size, context_len, tuple(bench.step() for _ in range(repeat)))
 
 
 @torch.inference_mode()
@@ -116,15 +133,27 @@ def measure_prefill(
 
 @dataclass(frozen=True)
 class DecodeComparison:
-    """A measured decode step beside its roofline prediction."""
+    """A measured decode step beside its prediction: the roofline bound, plus a fixed per-step overhead when one
+    was given (`predicted_s`, from `kvlab.roofline.realistic_time`)."""
 
     measured: StepTiming
     predicted: StepEstimate
+    predicted_s: float | None = None  # None: the bare roofline bound, `predicted.time_s`
+
+    @property
+    def prediction_s(self) -> float:
+        """Predicted seconds of the step: the realistic time if one was computed, else the roofline bound."""
+        return self.predicted.time_s if self.predicted_s is None else self.predicted_s
 
     @property
     def ratio(self) -> float:
-        """Measured median over predicted: 1 is a perfect roofline, above 1 the step is slower than it."""
-        return self.measured.median_s / self.predicted.time_s
+        """Measured median over predicted: 1 is a perfect prediction, above 1 the step is slower than it."""
+        return self.measured.median_s / self.prediction_s
+
+    @property
+    def best_ratio(self) -> float:
+        """Fastest measured step over predicted: the run least disturbed by other work on the machine."""
+        return self.measured.best_s / self.prediction_s
 
 
 def compare_decode(
@@ -134,17 +163,40 @@ def compare_decode(
     context_lens: Sequence[int],
     repeat: int = 5,
     warmup: int = 2,
+    *,
+    rounds: int = 1,
+    realism: Realism | None = None,
 ) -> list[DecodeComparison]:
     """Time decode steps of `model` at every (batch, context) pair and predict each with `kvlab.roofline`.
 
     Pass `hw = kvlab.hardware.measure(device)` measured on the same device (and thread count) as the model.
+    With `realism` (e.g. `measure_step_overhead(model, hw).realism()`), each prediction is
+    `kvlab.roofline.realistic_time`: with a measured `hw`, max(FLOPs / peak, bytes / bandwidth) plus the
+    per-step overhead. `rounds` > 1 spreads each point's `repeat` steps over that many passes through all the
+    points (every cache stays allocated between passes), so a burst of load from other processes slows one
+    round of every point instead of every step of one point; a point's best is then the fastest of
+    `rounds × repeat` steps taken at different times.
     """
+    check_count("rounds", rounds)
+    check_count("repeat", repeat)
+    check_count("warmup", warmup, 0)
+    benches = [_DecodeBench(model, b, c, seed=0) for b in batch_sizes for c in context_lens]
+    times: list[list[float]] = [[] for _ in benches]
+    for bench in benches:
+        for _ in range(warmup):
+            bench.step()
+    for _ in range(rounds):
+        for bench, seconds in zip(benches, times, strict=True):
+            seconds.extend(bench.step() for _ in range(repeat))
     rows = []
-    for batch in batch_sizes:
-        for context in context_lens:
-            measured = measure_decode_step(model, batch, context, repeat=repeat, warmup=warmup)
-            predicted = decode_step(model.config, hw, batch, context, dtype=model.dtype)
-            rows.append(DecodeComparison(measured, predicted))
+    for bench, seconds in zip(benches, times, strict=True):
+        step = decode_step(model.config, hw, bench.batch_size, bench.context_len, dtype=model.dtype)
+        predicted_s = None if realism is None else realistic_time(step, hw, model.dtype, realism)
+        rows.append(
+            DecodeComparison(
+                StepTiming(bench.batch_size, bench.context_len, tuple(seconds)), step, predicted_s
+            )
+        )
     return rows
 
 
