@@ -103,7 +103,14 @@ def test_missing_notebook_from_the_command_line(tmp_path):
 def test_values_take_the_type_of_the_default():
     defaults = {"n": 4, "x": 0.5, "flag": False, "name": "llama", "lens": [16, 32], "model": None}
     parsed = sweep.parse_assignments(
-        ["n=1,2,2", "x=1e-3", "flag=true,0", "name=qwen,2", "lens=[8, 64],[16]", "model=None,abc"],
+        [
+            "n=1,2,2",
+            "x=1e-3",
+            "flag=true,0",
+            "name=qwen,2,'2',1.5,1e3",
+            "lens=[8, 64],[16]",
+            "model=None,abc",
+        ],
         defaults,
         many=True,
         flag="--grid",
@@ -112,12 +119,32 @@ def test_values_take_the_type_of_the_default():
         "n": [1, 2],
         "x": [0.001],
         "flag": [True, False],
-        "name": ["qwen", "2"],
+        "name": [
+            "qwen",
+            2,
+            "2",
+            1.5,
+            1000.0,
+        ],  # a str default: numbers as papermill -y reads them, quotes keep text
         "lens": [[8, 64], [16]],
         "model": [None, "abc"],
     }
     with pytest.raises(sweep.SweepError, match="cannot read 'yes please' as the bool"):
         sweep.parse_value("flag", "yes please", False)
+
+
+def test_a_string_parameter_takes_numbers_as_numbers():
+    """`kvlab sweep book/02_sizing/lab.ipynb --grid weight_dtype=4,bf16`: 4-bit weights, an int, beside bf16."""
+    defaults = sweep.notebook_parameters(ROOT / "book/02_sizing/lab.ipynb")
+    assert defaults["weight_dtype"] == "bf16"
+    grid = sweep.parse_assignments(["weight_dtype=4,bf16,'8'"], defaults, many=True, flag="--grid")
+    assert grid == {"weight_dtype": [4, "bf16", "8"]}
+    fixed = sweep.parse_assignments(
+        ["weight_dtype=8", "large_model=Qwen/Qwen2.5-7B"], defaults, many=False, flag="-p"
+    )
+    assert fixed == {"weight_dtype": 8, "large_model": "Qwen/Qwen2.5-7B"}
+    for text in ("yes", "null", "1.2.3", "8b", "fp8"):  # text, not YAML's bool/None
+        assert sweep.parse_value("weight_dtype", text, "bf16") == text
 
 
 def test_glued_scalars_of_a_stored_lab():

@@ -84,7 +84,7 @@ def parse_value(name: str, text: str, default: Any) -> Any:
         if lowered in ("false", "0", "no"):
             return False
     elif isinstance(default, str):
-        return text
+        return _text_or_number(text)
     elif isinstance(default, int):
         try:
             return int(text)
@@ -105,6 +105,20 @@ def parse_value(name: str, text: str, default: Any) -> Any:
     raise SweepError(
         f"cannot read {text!r} as the {kind} that parameter {name!r} takes (default {default!r})"
     )
+
+
+def _text_or_number(text: str) -> str | int | float:
+    """A value for a parameter whose default is a string, read as papermill's `-y` (YAML) reads a scalar: a bare
+    number is a number (`weight_dtype=4` means 4-bit weights, which a lab takes as an int), a quoted value stays a
+    string (`name="4"`), anything else is the text itself (`bf16`; `yes` and `null` too, unlike YAML)."""
+    stripped = text.strip()
+    if len(stripped) >= 2 and stripped[0] == stripped[-1] and stripped[0] in "'\"":
+        return stripped[1:-1]
+    if re.fullmatch(r"[+-]?\d+", stripped):
+        return int(stripped)
+    if re.fullmatch(r"[+-]?(\d+\.\d*|\.\d+|\d+(?=[eE]))([eE][+-]?\d+)?", stripped):
+        return float(stripped)
+    return text
 
 
 def split_values(text: str) -> list[str]:
