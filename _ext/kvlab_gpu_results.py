@@ -52,12 +52,16 @@ class GpuResults(SphinxDirective):
             self.env.note_dependency(str(path))  # a new or changed record rebuilds the page
         records = report.gpu_results(chapter, results)
         if not records:
-            text = (
-                f"Measured on a GPU: {report.NO_GPU_RUN} for this chapter. `make gpu` on a GPU machine runs the"
-                f" lab at the sizes of book/gpu_params.yaml and writes book/results/<gpu>/{chapter}.json, which"
-                " this page then shows beside the CPU figures."
-            )
-            return [nodes.paragraph(text=text, classes=["kvlab-gpu-results"])]
+            note = nodes.paragraph(classes=["kvlab-gpu-results"])
+            note += nodes.strong(text="Measured on a GPU: ")
+            note += nodes.Text(f"{report.NO_GPU_RUN} for this chapter. ")
+            note += nodes.literal(text="make gpu")
+            note += nodes.Text(" on a GPU machine runs the lab at the sizes of ")
+            note += nodes.literal(text="book/gpu_params.yaml")
+            note += nodes.Text(" and writes ")
+            note += nodes.literal(text=f"book/results/<gpu>/{chapter}.json")
+            note += nodes.Text(", which this page then shows beside the CPU figures.")
+            return [note]
         lab = results.parent / chapter / "lab.ipynb"
         cpu = glued_scalars(lab) if lab.is_file() else None
         table = report.gpu_results_table(chapter, results, cpu=cpu)

@@ -24,8 +24,8 @@ TINY = {  # chapter 1 at the smoke sweep's sizes: seconds on CPU
 def test_gpu_params_name_only_real_parameters_of_real_labs():
     params = load_params(ROOT / "book" / "gpu_params.yaml", ROOT / "book")
     labs = sorted(p.parent.name for p in (ROOT / "book").glob("*/lab.ipynb"))
-    # every lab listed exists; a lab not (yet) listed runs at its CPU defaults
-    assert set(params) <= set(labs) and len(params) >= 13
+    # every lab is listed (an empty mapping: its CPU defaults already fit a GPU), and every lab listed exists
+    assert set(params) == set(labs), sorted(set(labs) ^ set(params))
 
 
 def test_bad_parameters_file_is_a_one_line_error(tmp_path):
