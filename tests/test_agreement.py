@@ -2,8 +2,10 @@
 
 import pytest
 import torch
+from transformers import LogitsProcessorList
 
-from kvlab.agreement import check_tokens_close, compare_tokens, top_k_ids
+from kvlab.agreement import check_tokens_close, compare_tokens, generate_with_top_k, top_k_ids
+from kvlab.models import tiny_model
 
 
 def test_identical_sequences_are_exact():
@@ -71,3 +73,60 @@ def test_greedy_decoding_under_a_perturbation_is_close():
     assert a[3] == 7 and b[3] == 8
     (result,) = check_tokens_close([a], [b], [top_k_ids(logits, 2)], [top_k_ids(other, 2)])
     assert result.first_difference == 3 and result.close
+
+
+def test_top_k_ids_puts_the_chosen_token_first():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [0.0, 1.0, 2.0, 3.0]])
+    assert top_k_ids(logits, 2, first=[2, 0]) == [[2, 1], [0, 3]]
+    with pytest.raises(ValueError, match="first has 1 tokens for 2 positions"):
+        top_k_ids(logits, 2, first=[1])
+
+
+class _Force:
+    """A logits processor that makes `generate` choose the `rank`-th best token at generated position `step`."""
+
+    def __init__(self, prompt_len, step, rank):
+        self.position, self.rank = prompt_len + step, rank
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] == self.position:
+            scores = scores.clone()
+            chosen = scores.argsort(dim=-1, descending=True)[:, self.rank]
+            scores[torch.arange(scores.shape[0]), chosen] = scores.max(dim=-1).values + 1.0
+        return scores
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model("llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=256)
+
+
+def _forced(model, prompt, step, rank, k=5, new=8):
+    processors = LogitsProcessorList([_Force(len(prompt), step, rank)])
+    return generate_with_top_k(
+        model, torch.tensor([prompt]), new, k, stop_at_eos=False, logits_processor=processors
+    )
+
+
+def test_a_forced_near_tie_is_close_and_a_far_off_token_is_not(tiny):
+    prompt = list(range(10, 22))
+    tokens, top = generate_with_top_k(tiny, torch.tensor([prompt]), 8, 5, stop_at_eos=False)
+    assert len(tokens[0]) == len(top[0]) == 8 and all(
+        len(t) == 5 and t[0] == x for t, x in zip(top[0], tokens[0], strict=True)
+    )
+    # The runner-up at position 3 chosen instead: the two sides first differ there, each token in the other's top-5.
+    tie_tokens, tie_top = _forced(tiny, prompt, 3, 1)
+    (result,) = check_tokens_close(tokens, tie_tokens, top, tie_top, names=("greedy", "forced"))
+    assert (result.first_difference, result.token_b) == (3, top[0][3][1]) and result.close
+    # The 200th best token chosen instead: in neither top-5, so the rule rejects it.
+    far_tokens, far_top = _forced(tiny, prompt, 3, 200)
+    assert far_tokens[0][:3] == tokens[0][:3] and far_tokens[0][3] not in top[0][3]
+    with pytest.raises(AssertionError, match="NOT a near-tie"):
+        check_tokens_close(tokens, far_tokens, top, far_top, names=("greedy", "forced"))
+
+
+def test_generate_with_top_k_rejects_bad_input(tiny):
+    with pytest.raises(ValueError, match="batch, prompt_len"):
+        generate_with_top_k(tiny, torch.tensor([1, 2, 3]), 4, 2)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        generate_with_top_k(tiny, torch.tensor([[1, 2, 3]]), 0, 2)

@@ -3,6 +3,7 @@ import logging
 import pytest
 import torch
 
+from kvlab.agreement import check_tokens_close, generate_with_top_k
 from kvlab.block_manager import NULL_BLOCK
 from kvlab.config import EngineConfig
 from kvlab.engine import LLMEngine
@@ -61,6 +62,35 @@ def test_engine_equals_generate(family_model, engine_kwargs):
     if engine_kwargs.get("num_blocks") == 12:
         assert engine.num_preemptions > 0
     assert engine.num_free_blocks == engine.num_blocks and engine.num_used_blocks == 0
+
+
+@pytest.mark.parametrize(
+    "engine_kwargs", [dict(num_blocks=64), dict(num_blocks=12, block_size=4)], ids=["roomy", "preempt"]
+)
+def test_engine_top_token_ids_equal_generate(llama, engine_kwargs):
+    """`SamplingParams(logprobs=k)`: per generated token, the k best ids, the chosen one first; the same lists as
+    transformers' logits give (kept across preemption by recompute)."""
+    prompts = random_prompts(MIXED)
+    engine = LLMEngine(llama, **engine_kwargs)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, logprobs=3))
+    if engine_kwargs["num_blocks"] == 12:
+        assert engine.num_preemptions > 0
+    hf = [generate_with_top_k(llama, torch.tensor([p]), MAX_TOKENS, 3) for p in prompts]
+    hf_tokens, hf_top = [t[0] for t, _ in hf], [top[0] for _, top in hf]
+    for out, tokens, top in zip(outputs, hf_tokens, hf_top, strict=True):
+        assert out.token_ids == tokens and out.top_token_ids == top
+        assert all(
+            len(ids) == 3 and ids[0] == t for ids, t in zip(out.top_token_ids, out.token_ids, strict=True)
+        )
+    results = check_tokens_close(
+        [o.token_ids for o in outputs], hf_tokens, [o.top_token_ids for o in outputs], hf_top
+    )
+    assert all(r.exact for r in results)
+    # Without logprobs nothing is kept; a bad count gets a clear error.
+    (plain,) = engine.generate(prompts[:1], SamplingParams(max_tokens=2))
+    assert plain.top_token_ids is None
+    with pytest.raises(ValueError, match="logprobs must be None or an int >= 1"):
+        SamplingParams(logprobs=0)
 
 
 @pytest.mark.parametrize("num_blocks", [64, 16], ids=["roomy", "preempt"])

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
+from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -49,14 +51,25 @@ class Agreement:
         )
 
 
-def top_k_ids(logits: torch.Tensor, k: int) -> list[list[int]]:
-    """Per position, the ids of the `k` largest logits of a (positions, vocab) tensor (log-probabilities rank the
-    same way, so logits do)."""
+def top_k_ids(logits: torch.Tensor, k: int, first: Sequence[int] | None = None) -> list[list[int]]:
+    """Per position, the ids of the `k` largest logits of a (positions, vocab) tensor, best first
+    (log-probabilities rank the same way, so logits do).
+
+    `first[i]`, when given, is the token a sampler chose at position i: it is put first and followed by the k - 1
+    best others, so a greedy choice leads its list even where `topk` would break an exact tie the other way.
+    """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k!r}")
     if logits.dim() != 2:
         raise ValueError(f"logits must be (positions, vocab), got shape {tuple(logits.shape)}")
-    return logits.float().topk(min(k, logits.shape[-1]), dim=-1).indices.tolist()
+    if first is not None and len(first) != logits.shape[0]:
+        raise ValueError(f"first has {len(first)} tokens for {logits.shape[0]} positions")
+    best: list[list[int]] = logits.float().topk(min(k, logits.shape[-1]), dim=-1).indices.tolist()
+    if first is None:
+        return best
+    return [
+        [int(t), *[b for b in row if b != int(t)]][: len(row)] for t, row in zip(first, best, strict=True)
+    ]
 
 
 def compare_tokens(
@@ -108,3 +121,44 @@ def check_tokens_close(
             raise AssertionError(f"request {i}: {names[0]} vs {names[1]}: {result.describe()}")
         results.append(result)
     return results
+
+
+@torch.inference_mode()
+def generate_with_top_k(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    k: int,
+    *,
+    stop_at_eos: bool = True,
+    **generate_kwargs: Any,
+) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """Greedy `model.generate` with, per generated position, the ids of the `k` largest logits.
+
+    `input_ids` is (batch, prompt_len) without padding (one prompt per call when lengths differ). Returns, per
+    row, the generated ids and their top-k lists (`top_k_ids` of the raw logits, the chosen token first), the
+    other side of a `check_tokens_close` against `LLMEngine` outputs with `SamplingParams(logprobs=k)`. With
+    `stop_at_eos`, a row ends at its first end-of-sequence token (kept), as the engine's requests do.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (batch, prompt_len), got shape {tuple(input_ids.shape)}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    kwargs: dict[str, Any] = {"do_sample": False, **generate_kwargs}
+    out = cast(Any, model).generate(  # GenerationMixin's method; mypy sees nn.Module's __getattr__
+        input_ids.to(model.device),
+        max_new_tokens=max_new_tokens,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
+    generated = out.sequences[:, input_ids.shape[1] :].tolist()
+    logits = torch.stack(out.logits, dim=1)  # (batch, steps, vocab): raw logits, before any logits processor
+    eos = model.generation_config.eos_token_id
+    eos_ids = set() if eos is None or not stop_at_eos else {eos} if isinstance(eos, int) else set(eos)
+    tokens, tops = [], []
+    for row, row_logits in zip(generated, logits, strict=True):
+        end = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        tokens.append(row[:end])
+        tops.append(top_k_ids(row_logits[:end], k, first=row[:end]))
+    return tokens, tops

@@ -15,6 +15,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import DynamicCache, PreTrainedModel
 
+from kvlab.agreement import top_k_ids
 from kvlab.measure import cache_tensor_bytes, time_call
 from kvlab.timing import measure_decode_step, random_ids
 
@@ -25,6 +26,14 @@ class DecodeResult:
     logits: torch.Tensor  # (batch, new_tokens, vocab): the logits each step sampled from
     cache: DynamicCache | None = None
     cache_bytes_per_step: list[int] = field(default_factory=list)
+
+    def top_token_ids(self, k: int) -> list[list[list[int]]]:
+        """Per sequence and step, the ids of the `k` largest logits, the greedy token first
+        (`kvlab.agreement.top_k_ids`): one side of a `check_tokens_close`."""
+        return [
+            top_k_ids(step_logits, k, first=tokens)
+            for step_logits, tokens in zip(self.logits, self.tokens, strict=True)
+        ]
 
 
 @torch.inference_mode()

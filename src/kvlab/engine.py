@@ -87,6 +87,9 @@ class RequestOutput:
     finish_reason: str | None  # "stop", "length" or "error"
     metrics: RequestMetrics
     error: str | None = None
+    # vLLM's `SamplingParams(logprobs=k)`: per generated token, the ids of the k most likely tokens at that
+    # position, the sampled one first (`ModelRunner.sample`); None when the request asked for none.
+    top_token_ids: list[list[int]] | None = None
 
 
 def _eos_ids(model: PreTrainedModel) -> set[int]:
@@ -303,13 +306,15 @@ class LLMEngine:
             if upcoming is not None and upcoming > now:
                 self.clock.wait_until(upcoming)
             return finished
-        sampled, tokens = self.model_runner.run(batch)
+        sampled, tokens, top_ids = self.model_runner.run(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
         self.clock.step_done(batch.num_batched_tokens, sum(s.num_computed_tokens for s in batch.seqs))
         now = self.clock.now()
-        for seq, token in zip(sampled, tokens, strict=True):
+        for seq, token, top in zip(sampled, tokens, top_ids, strict=True):
             seq.token_ids.append(token)
+            if top is not None:
+                seq.top_token_ids.append(top)
             seq.metrics.token_times.append(now)
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
@@ -337,6 +342,7 @@ class LLMEngine:
             seq.finish_reason,
             seq.metrics,
             seq.error,
+            None if seq.params.logprobs is None else [list(t) for t in seq.top_token_ids],
         )
 
     def _record(self, batch: ScheduledBatch, now: float) -> None:
@@ -379,13 +385,14 @@ class LLMEngine:
         seqs = [self.add_request(p, sp) for p, sp in zip(prompts, per_prompt, strict=True)]
         return self.run_until_done(seqs)
 
-    def replay(self, trace: Iterable[TraceRequest]) -> list[RequestOutput]:
-        """Replay a trace: each request arrives at its `arrival_time` after now; outputs in trace order."""
+    def replay(self, trace: Iterable[TraceRequest], logprobs: int | None = None) -> list[RequestOutput]:
+        """Replay a trace: each request arrives at its `arrival_time` after now; outputs in trace order (with
+        each position's `logprobs` best token ids in `top_token_ids` when given)."""
         start = self.clock.now()
         seqs = [
             self.add_request(
                 r.prompt_token_ids,
-                SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
+                SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, logprobs=logprobs),
                 arrival_time=start + r.arrival_time,
             )
             for r in trace

@@ -23,6 +23,7 @@ import logging
 import torch
 from transformers import PreTrainedModel
 
+from kvlab.agreement import top_k_ids
 from kvlab.budget import MemoryBudget
 from kvlab.config import EngineConfig
 from kvlab.measure import MemoryTracker, cuda_context_bytes
@@ -59,7 +60,9 @@ class ModelRunner:
                 self._group_of_layer[layer] = g
         self.block_size = config.block_size
         # Bytes of one token slot of one block: every layer, or one group's layers in a hybrid model.
-        self.kv_bytes_per_token = KVPool.bytes_per_token(self.shape, self.dtype)
+        # Quantized pools (`config.kv_cache_dtype` "fp8"/"int8") count their codes and scales.
+        self.kv_cache_dtype = config.kv_cache_dtype
+        self.kv_bytes_per_token = KVPool.bytes_per_token(self.shape, self.dtype, self.kv_cache_dtype)
         self.memory_budget: MemoryBudget | None = None  # set when the pool is sized from memory
         enable_paged_attention(model)
         # transformers passes a prepared 4-D mask through untouched instead of building one over the flat batch;
@@ -68,7 +71,9 @@ class ModelRunner:
         num_blocks = config.num_blocks
         if num_blocks is None:
             num_blocks = self.profile_num_blocks(config.memory_budget_bytes, config.max_num_batched_tokens)
-        self.pool = KVPool(self.shape, num_blocks, self.block_size, self.dtype, self.device)
+        self.pool = KVPool(
+            self.shape, num_blocks, self.block_size, self.dtype, self.device, self.kv_cache_dtype
+        )
         self._generators: dict[int, torch.Generator] = {}
 
     @torch.inference_mode()
@@ -91,7 +96,14 @@ class ModelRunner:
         weights = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
         # A dummy prefill of a full token budget, on a scratch pool made outside the tracker so it is not counted.
         blocks = blocks_for(tokens, self.block_size)
-        scratch = KVPool(self.shape, blocks * len(self.groups), self.block_size, self.dtype, self.device)
+        scratch = KVPool(
+            self.shape,
+            blocks * len(self.groups),
+            self.block_size,
+            self.dtype,
+            self.device,
+            self.kv_cache_dtype,
+        )
         tables = [[list(range(g * blocks, (g + 1) * blocks))] for g in range(len(self.groups))]
         slots = [slots_for(t[0], 0, tokens, self.block_size) for t in tables]
         ctx = self._context(scratch, slots, [tokens], [tokens], tables)
@@ -139,8 +151,9 @@ class ModelRunner:
 
     # --- one step -----------------------------------------------------------------------------------------------
 
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
-        """Forward the batch's scheduled tokens; the sequences that get a new token, and their tokens.
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[list[int] | None]]:
+        """Forward the batch's scheduled tokens; the sequences that get a new token, their tokens, and per
+        sequence its `params.logprobs` best token ids at that position (None when it asked for none).
 
         Sequences' `num_computed_tokens` are left to the caller: the runner only reads the batch.
         """
@@ -173,7 +186,8 @@ class ModelRunner:
             ctx,
             torch.tensor(sample_rows, dtype=torch.long, device=device),
         )
-        return sampled, self.sample(sampled, logits[0].float())
+        tokens, top_ids = self.sample(sampled, logits[0].float())
+        return sampled, tokens, top_ids
 
     @torch.inference_mode()
     def forward(
@@ -194,8 +208,11 @@ class ModelRunner:
         )
         return out.logits
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """Greedy for temperature 0; otherwise a multinomial draw from a per-sequence seeded generator."""
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[list[int] | None]]:
+        """Greedy for temperature 0; otherwise a multinomial draw from a per-sequence seeded generator.
+
+        Also, for each sequence with `params.logprobs = k`, the ids of its k largest logits, best first; a greedy
+        token is always first there (`kvlab.agreement.top_k_ids`, with ties broken as argmax breaks them)."""
         tokens = logits.argmax(dim=-1).tolist()
         for i, seq in enumerate(seqs):
             temperature = seq.params.temperature
@@ -206,7 +223,14 @@ class ModelRunner:
                     gen = self._generators[seq.seq_id] = torch.Generator().manual_seed(seed)
                 probs = torch.softmax(logits[i].cpu() / temperature, dim=-1)
                 tokens[i] = int(torch.multinomial(probs, 1, generator=gen))
-        return tokens
+        top_ids: list[list[int] | None] = [None] * len(seqs)
+        wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        if wanted:
+            k = max(int(seqs[i].params.logprobs or 1) for i in wanted)
+            best = top_k_ids(logits[wanted], k, first=[tokens[i] for i in wanted])
+            for i, ids in zip(wanted, best, strict=True):
+                top_ids[i] = ids[: seqs[i].params.logprobs]
+        return tokens, top_ids
 
     def release(self, seq: Sequence) -> None:
         """Forget a finished sequence's sampling state."""

@@ -15,12 +15,17 @@ class SamplingParams:
     temperature: float = 0.0  # 0 is greedy
     ignore_eos: bool = False
     seed: int | None = None  # for temperature > 0
+    # vLLM's name: keep the ids of the `logprobs` most likely tokens at every generated position
+    # (`RequestOutput.top_token_ids`), for comparing two schedules under `kvlab.agreement`'s top-k rule.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1 or self.temperature < 0:
             raise ValueError(
                 f"need max_tokens >= 1 and temperature >= 0, got {self.max_tokens}, {self.temperature}"
             )
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or self.logprobs < 1):
+            raise ValueError(f"logprobs must be None or an int >= 1, got {self.logprobs!r}")
 
 
 class Status(Enum):
@@ -52,6 +57,9 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # of full blocks of token_ids, filled lazily
     finish_reason: str | None = None  # "stop" (eos), "length" (max_tokens / max_model_len), "error"
     error: str | None = None
+    # Per generated token, the `params.logprobs` best token ids at that position (empty when logprobs is None).
+    # Kept across preemption: recomputing the prefill does not sample the tokens already generated again.
+    top_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
