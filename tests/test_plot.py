@@ -45,3 +45,15 @@ def test_text_scales_with_figure_width():
     plot.figure()
     assert matplotlib.rcParams["xtick.labelsize"] == plot.STYLE["font.size"]
     matplotlib.pyplot.close("all")
+
+
+def test_compact_text_is_never_below_the_minimum():
+    for ncols in (1, 2, 3):
+        fig, _ = plot.figure(ncols=ncols)
+        size = plot.compact_text()
+        assert size >= plot.MIN_TEXT_PT
+        assert size <= matplotlib.rcParams["xtick.labelsize"]  # a step below the ticks, or the floor
+        matplotlib.pyplot.close(fig)
+    matplotlib.rcParams["xtick.labelsize"] = "small"  # a style that would give 8.3 pt
+    assert plot.compact_text() == plot.MIN_TEXT_PT
+    plot.use_style()

@@ -53,6 +53,22 @@ def text_scale(width_inches: float) -> float:
     return max(1.0, MIN_RENDERED_PT * shrink / STYLE["font.size"])
 
 
+MIN_TEXT_PT = (
+    9.0  # no text in a figure is set smaller than this (tests/test_book_conventions.py checks the labs)
+)
+
+
+def compact_text() -> float:
+    """Font size, in points, for dense text: a legend of many entries, labels inside heatmap cells, annotations.
+
+    One step below the current figure's tick labels (which `figure` scales with the figure's width), never under
+    MIN_TEXT_PT; use it instead of a fixed `fontsize=8`, which the column would shrink further."""
+    from matplotlib.font_manager import FontProperties
+
+    ticks = FontProperties(size=mpl.rcParams["xtick.labelsize"]).get_size_in_points()
+    return max(MIN_TEXT_PT, 0.9 * ticks)
+
+
 def use_style() -> None:
     """Apply the house style to every later figure (call once per notebook)."""
     mpl.rcParams.update(STYLE)
