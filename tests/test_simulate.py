@@ -3,7 +3,6 @@
 import math
 
 import pytest
-import torch
 
 from kvlab import simulate as sim
 from kvlab.clock import VirtualClock
@@ -71,39 +70,80 @@ def test_prompt_larger_than_pool_is_refused():
         sim.simulate([sim.TraceRequest(0.0, tuple(range(2, 200)), 2)], sim.LinearStepCost(1e-3), num_blocks=4)
 
 
-# Tolerances, set from what this test measured on the CI-like machine (2 shared cores, load ~10-16 from other
-# jobs: step times there are bimodal, 0.1x to 2.6x the fitted mean, and drift between runs). The step cost is
-# fitted to the steps of the run being predicted (the machine's speed changes from run to run under that load;
-# a cost fitted to a separate calibration run missed throughput by up to 38 %), so the check is of the
-# scheduling and queueing the simulator reproduces, given the step cost: 4 constants for thousands of latencies.
-# Throughput and E2EL hold; per-token latencies follow the machine's contention step by step, which a mean cost
-# cannot, so ITL (and TTFT, P99 E2EL below saturation) are reported, not asserted. Goal (issue 12): 10 % at P50
-# and 20 % at P99: met for throughput and median E2EL; not for ITL on this machine.
-TOLERANCE = {"output_throughput": 0.10, "median_e2el_ms": 0.20, "p99_e2el_ms": 0.50}
-LOADS = [(6.0, 30), (20.0, 40), (math.inf, 40)]  # below, near and past saturation (all at t=0)
+def test_fit_recovers_constants_with_prefill_term_and_host_gap():
+    truth = sim.LinearStepCost(2e-3, 5e-5, 1e-6, 1e-4, 3e-4)
+    shapes = [
+        (1, 10, 1, 0),
+        (64, 300, 5, 2),
+        (16, 900, 16, 0),
+        (40, 100, 3, 1),
+        (8, 2000, 8, 0),
+        (64, 64, 1, 1),
+    ]
+    records = [sim.StepRecord(*f[:3], truth.of(*f), f[3], gap_s=1e-4) for f in shapes]
+    fit = sim.fit_linear_cost(records)
+    assert fit.overhead_s == pytest.approx(
+        truth.overhead_s + 1e-4, rel=1e-6
+    )  # the host gap joins the overhead
+    for name in ("per_token_s", "per_context_token_s", "per_seq_s", "per_prefill_seq_s"):
+        assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+    assert truth([30, 1, 1], [30, 50, 70]) == pytest.approx(truth.of(32, 150, 3, 1))
 
 
-def test_simulator_predicts_the_wall_clock_engine(model, capsys):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        sim.record_engine_steps(model, trace(8, math.inf, seed=0), **KNOBS)  # warm up
-        rows = []
-        for rate, n in LOADS:
-            requests = trace(n, rate, seed=2)
-            real = sim.record_engine_steps(model, requests, **KNOBS)
-            cost = sim.fit_linear_cost(real.steps)
-            modelled = sim.simulate(requests, cost, **SIM_KNOBS)
-            errors = sim.relative_errors(modelled.summary(), real.summary(), sim.VALIDATION_KEYS)
-            rows.append((rate, real.num_preemptions, modelled.num_preemptions, errors, cost))
-    finally:
-        torch.set_num_threads(threads)
+def test_record_engine_steps_refuses_an_unknown_clock(model):
+    with pytest.raises(ValueError, match="clock must be"):
+        sim.record_engine_steps(model, trace(2, 1.0, 0), clock="gpu", **KNOBS)
+
+
+# Validation against the real engine (issue 12's goal: within 10 % at P50 and 20 % at P99 for TTFT, ITL, E2EL, and
+# throughput, at >= 3 loads, one past saturation). The step cost is calibrated on OTHER traces (seeds 11, 12: one
+# saturating, one at 10 req/s) than the ones predicted (seed 2 at 6/s, 20/s and all at t=0). Three rounds, each
+# replaying the calibration traces and then the validation traces; each round predicts its own validation runs
+# from its own calibration, and an error is the median over the rounds. The engine is timed on its process CPU
+# time with idle waits jumped (`clock="cpu"`): on the wall clock of a shared 2-core machine (load 8-15 from other
+# jobs when this was written) a third of the steps took an extra 4-9 ms time slice at random (measured/fitted
+# step time up to 15x; benchmarks/bench_simulator.py prints both clocks), which no step cost can predict. The
+# simulator draws each step's cost times a measured/fitted ratio of the calibration steps (`resample`), so the
+# machine's spread shows in the P99s. Measured at load 10-15: single rounds missed by up to 30 % (P50) and 46 %
+# (P99); the median of 3 rounds was within 11 % (P50, throughput) and 16 % (P99). The bands below hold that with
+# margin for a loaded machine; the printout marks each metric outside the goal on the machine running the test.
+GOAL = {"median": 0.10, "p99": 0.20, "output": 0.10}
+TOLERANCE = {"median": 0.20, "p99": 0.35, "output": 0.20}
+
+
+def _band(key, bands):
+    return bands[key.split("_")[0]]
+
+
+def test_simulator_predicts_the_engine_on_other_traces(model, capsys):
+    calibration_traces = [trace(40, math.inf, seed=11), trace(20, 10.0, seed=12)]
+    loads = {
+        "6/s": trace(30, 6.0, seed=2),
+        "20/s": trace(40, 20.0, seed=2),
+        "saturated": trace(40, math.inf, seed=2),
+    }
+    calibration, rows = sim.validate(
+        model, calibration_traces, loads, clock="cpu", repeats=3, resample=True, **KNOBS
+    )
     with capsys.disabled():
-        for rate, p_real, p_sim, errors, cost in rows:
-            shown = " ".join(f"{k.removesuffix('_ms')}={v:+.0%}" for k, v in errors.items())
-            print(f"\nrate {rate:g}/s: {cost}; preemptions engine {p_real} sim {p_sim}; {shown}", end="")
-        print()
-    assert rows[-1][1] > 0  # past saturation the pool runs short and the engine preempts
-    for rate, _, _, errors, _ in rows:
-        for key, tol in TOLERANCE.items():
-            assert abs(errors[key]) <= tol, (rate, key, errors[key])
+        print(f"\ncalibrated on {len(calibration.steps)} steps: {calibration.cost}")
+        for row in rows:
+            shown = " ".join(
+                f"{k.removesuffix('_ms')}={v:+.0%}{'' if abs(v) <= _band(k, GOAL) else '!'}"
+                for k, v in row.errors.items()
+            )
+            rounds = " ".join(
+                f"{k.removesuffix('_ms')}=[{' '.join(f'{e:+.0%}' for e in v)}]"
+                for k, v in row.round_errors.items()
+            )
+            print(f"{row.label}: {shown}  (! = outside the goal)\n    rounds: {rounds}")
+    saturated = rows[-1]
+    assert (
+        saturated.engine["num_preemptions"] > 0
+    )  # past saturation the pool runs short and the engine preempts
+    assert (
+        saturated.simulated["num_preemptions"] == saturated.engine["num_preemptions"]
+    )  # same policy, same trace
+    for row in rows:
+        for key, error in row.errors.items():
+            assert abs(error) <= _band(key, TOLERANCE), (row.label, key, error)

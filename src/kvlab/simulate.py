@@ -9,10 +9,11 @@ trace's `max_tokens`, as in vLLM's serving benchmarks.
 
 Two cost models:
 
-- `LinearStepCost`: seconds = overhead + per batched token + per context token read + per sequence, the shape of
-  a step on any device. `fit_linear_cost` fits its four constants to step times measured on a real engine
-  (`record_engine_steps` runs `LLMEngine` on the wall clock and records every step), which is how the
-  simulator is validated against the engine on this machine (tests/test_simulate.py).
+- `LinearStepCost`: seconds = overhead + per batched token + per context token read + per sequence + per
+  prefill sequence, the shape of a step on any device. `calibrate` fits its constants to steps measured on the
+  real engine over CALIBRATION traces (`record_engine_steps` runs `LLMEngine` and records every step and the
+  host time between steps); `validate` then replays OTHER traces on the engine and in the simulator and
+  reports the error of each latency percentile and of throughput (tests/test_simulate.py, chapter 14's lab).
 - `RooflineStepCost`: a GPU step from `kvlab.roofline`'s realistic model (achievable bandwidth and FLOP/s plus a
   per-step overhead): what `kvlab.plan` uses to predict a datacentre deployment. Its results are modelled.
 
@@ -23,11 +24,13 @@ MLSys, arXiv:2405.05465), which reports under 9 % error against real engines. Ch
 
 from __future__ import annotations
 
+import gc
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -47,56 +50,87 @@ class StepCost(Protocol):
 
 @dataclass(frozen=True)
 class LinearStepCost:
-    """seconds = overhead + per_token × batched tokens + per_context_token × Σ context + per_seq × sequences."""
+    """seconds = overhead + per_token × batched tokens + per_context_token × Σ context + per_seq × sequences
+    + per_prefill_seq × sequences scheduled more than one token (prompt chunks)."""
 
     overhead_s: float
     per_token_s: float = 0.0
     per_context_token_s: float = 0.0
     per_seq_s: float = 0.0
+    per_prefill_seq_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("overhead_s", "per_token_s", "per_context_token_s", "per_seq_s"):
+        for name in _COST_TERMS:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
     def __call__(self, num_new_tokens: Sequence[int], context_lens: Sequence[int]) -> float:
+        return self.of(
+            sum(num_new_tokens), sum(context_lens), len(num_new_tokens), sum(n > 1 for n in num_new_tokens)
+        )
+
+    def of(self, batched_tokens: int, context_tokens: int, num_seqs: int, num_prefill_seqs: int = 0) -> float:
+        """The same seconds from a step's totals (a `StepRecord`'s fields)."""
         return (
             self.overhead_s
-            + self.per_token_s * sum(num_new_tokens)
-            + self.per_context_token_s * sum(context_lens)
-            + self.per_seq_s * len(num_new_tokens)
+            + self.per_token_s * batched_tokens
+            + self.per_context_token_s * context_tokens
+            + self.per_seq_s * num_seqs
+            + self.per_prefill_seq_s * num_prefill_seqs
         )
+
+
+_COST_TERMS = ("overhead_s", "per_token_s", "per_context_token_s", "per_seq_s", "per_prefill_seq_s")
 
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One engine step as measured: what it ran and how long it took (seconds)."""
+    """One engine step as measured: what it ran and how long it took (seconds).
+
+    `seconds` runs from the start of `LLMEngine.step()` to its return; `gap_s` is the host time from that
+    return to the start of the next step that runs a batch (the serving loop's own work), None after the last
+    step and where the engine waited idle for an arrival in between.
+    """
 
     num_batched_tokens: int
     num_context_tokens: int  # Σ over scheduled sequences of their context after the step
     num_seqs: int
     seconds: float
+    num_prefill_seqs: int = 0  # sequences scheduled more than one token (prompt chunks)
+    gap_s: float | None = None
+
+    @property
+    def features(self) -> tuple[int, int, int, int]:
+        return (self.num_batched_tokens, self.num_context_tokens, self.num_seqs, self.num_prefill_seqs)
 
 
 def fit_linear_cost(records: Sequence[StepRecord]) -> LinearStepCost:
-    """Least-squares fit of `LinearStepCost` to measured steps; a term that fits negative is dropped (set to 0)
-    and the rest refitted, so every constant is a cost, never a credit."""
-    if len(records) < 4:
-        raise ValueError(f"need at least 4 measured steps to fit a step cost, got {len(records)}")
-    columns = np.array(
-        [[1.0, r.num_batched_tokens, r.num_context_tokens, r.num_seqs] for r in records], dtype=float
-    )
+    """Least-squares fit (of relative errors) of `LinearStepCost` to measured steps; a term that fits negative is dropped (set to 0)
+    and the rest refitted, so every constant is a cost, never a credit. The median measured `gap_s` (host time
+    between steps, which the engine's token timestamps include) is added to the overhead."""
+    if len(records) < 5:
+        raise ValueError(f"need at least 5 measured steps to fit a step cost, got {len(records)}")
     y = np.array([r.seconds for r in records], dtype=float)
-    active = [0, 1, 2, 3]
+    if np.any(y <= 0) or not np.all(np.isfinite(y)):
+        raise ValueError("measured step seconds must be finite and > 0")
+    # Relative least squares (each row divided by its measured seconds): a 1 ms decode step weighs as much as a
+    # 5 ms prefill, so small and large batches are fitted to the same relative error.
+    columns = np.array([[1.0, *r.features] for r in records], dtype=float) / y[:, None]
+    y = np.ones_like(y)
+    active = list(range(len(_COST_TERMS)))
     while True:
         coef, *_ = np.linalg.lstsq(columns[:, active], y, rcond=None)
         negative = [a for a, c in zip(active, coef, strict=True) if c < 0 and a != 0]
         if not negative:
             break
         active.remove(negative[0])
-    full = dict.fromkeys(range(4), 0.0) | {a: float(c) for a, c in zip(active, coef, strict=True)}
-    return LinearStepCost(max(full[0], 0.0), full[1], full[2], full[3])
+    full = dict.fromkeys(range(len(_COST_TERMS)), 0.0) | {
+        a: float(c) for a, c in zip(active, coef, strict=True)
+    }
+    gaps = [r.gap_s for r in records if r.gap_s is not None]
+    full[0] = max(full[0], 0.0) + (float(np.median(gaps)) if gaps else 0.0)
+    return LinearStepCost(*(full[i] for i in range(len(_COST_TERMS))))
 
 
 @dataclass
@@ -123,14 +157,10 @@ class ResampledStepCost:
     ) -> ResampledStepCost:
         ratios = []
         for r in records:
-            fitted = (
-                base.overhead_s
-                + base.per_token_s * r.num_batched_tokens
-                + base.per_context_token_s * r.num_context_tokens
-                + base.per_seq_s * r.num_seqs
-            )
-            if fitted > 0 and r.seconds > 0:
-                ratios.append(r.seconds / fitted)
+            fitted = base.of(*r.features)
+            measured = r.seconds + (r.gap_s or 0.0)
+            if fitted > 0 and measured > 0:
+                ratios.append(measured / fitted)
         return cls(base, ratios, seed)
 
     def __call__(self, num_new_tokens: Sequence[int], context_lens: Sequence[int]) -> float:
@@ -315,26 +345,42 @@ def simulate(
 # --- measuring a real engine: what the simulator is validated against -------------------------------------------
 
 
-class _RecordingWallClock:
-    """`kvlab.clock.WallClock` that also keeps what each step ran (the engine reports it in `step_done`)."""
+class _RecordingClock:
+    """The engine's clock, recording what each step ran (the engine reports it in `step_done`).
 
-    def __init__(self) -> None:
-        self._t0 = time.perf_counter()
+    `cpu=False`: wall time (`time.perf_counter`), waits sleep, as `kvlab.clock.WallClock`. `cpu=True`: the
+    process's CPU time (`time.process_time`), and a wait for the next arrival jumps the clock forward instead of
+    sleeping: the engine's own work is measured, the time slices other processes take on a shared machine and
+    the sleep's oversleep are not. Both run the same steps on the same model.
+    """
+
+    def __init__(self, cpu: bool = False) -> None:
+        self._read = time.process_time if cpu else time.perf_counter
+        self._cpu = cpu
+        self._offset = -self._read()
         self.done: list[tuple[int, int]] = []
+        self.waited = False
 
     def now(self) -> float:
-        return time.perf_counter() - self._t0
+        return self._read() + self._offset
 
     def step_done(self, num_batched_tokens: int, num_context_tokens: int) -> None:
         self.done.append((num_batched_tokens, num_context_tokens))
 
     def wait_until(self, t: float) -> None:
-        time.sleep(max(0.0, t - self.now()))
+        self.waited = True
+        if self._cpu:
+            self._offset += max(0.0, t - self.now())
+        else:
+            time.sleep(max(0.0, t - self.now()))
+
+
+ClockKind = Literal["wall", "cpu"]
 
 
 @dataclass
 class EngineRun:
-    """A trace replayed on the real engine with the wall clock: request metrics and every step's duration."""
+    """A trace replayed on the real engine: request metrics and every step's duration and features."""
 
     requests: list[RequestMetrics]
     steps: list[StepRecord]
@@ -347,19 +393,25 @@ class EngineRun:
         return out
 
 
-def record_engine_steps(model: Any, trace: Iterable[TraceRequest], **engine_knobs: Any) -> EngineRun:
-    """Replay `trace` on `kvlab.engine.LLMEngine(model, **engine_knobs)` with a wall clock, timing every step.
+def record_engine_steps(
+    model: Any, trace: Iterable[TraceRequest], clock: ClockKind = "wall", **engine_knobs: Any
+) -> EngineRun:
+    """Replay `trace` on `kvlab.engine.LLMEngine(model, **engine_knobs)`, timing every step on `clock`.
 
     A step's seconds run from the start of `LLMEngine.step()` to its return (scheduling, the forward, sampling,
-    bookkeeping): the interval the simulator charges. Idle waits for the next arrival are not steps.
+    bookkeeping); its `gap_s`, from that return to the next step's start (this loop's own work). Idle waits for
+    the next arrival are neither. `clock="cpu"` times the engine in process CPU time with idle waits jumped
+    (see `_RecordingClock`): the measurement a loaded shared machine can repeat.
     """
     from kvlab.engine import LLMEngine
 
-    clock = _RecordingWallClock()
-    engine = LLMEngine(model, clock=clock, **engine_knobs)
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
+    recorder = _RecordingClock(cpu=clock == "cpu")
+    engine = LLMEngine(model, clock=recorder, **engine_knobs)
     trace = list(trace)
     _check_trace(trace)
-    start = clock.now()
+    start = recorder.now()
     seqs = [
         engine.add_request(
             r.prompt_token_ids,
@@ -368,7 +420,9 @@ def record_engine_steps(model: Any, trace: Iterable[TraceRequest], **engine_knob
         )
         for r in trace
     ]
-    batches: list[tuple[int, int, int]] = []  # (batched tokens, Σ context after the step, sequences)
+    batches: list[
+        tuple[int, int, int, int]
+    ] = []  # (batched tokens, Σ context after, sequences, prefill seqs)
     schedule = engine.scheduler.schedule
 
     def recording_schedule(now: float) -> Any:
@@ -377,25 +431,180 @@ def record_engine_steps(model: Any, trace: Iterable[TraceRequest], **engine_knob
             context = sum(
                 s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
             )
-            batches.append((batch.num_batched_tokens, context, len(batch.seqs)))
+            prefill = sum(n > 1 for n in batch.num_new_tokens)
+            batches.append((batch.num_batched_tokens, context, len(batch.seqs), prefill))
         return batch
 
     engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
     steps: list[StepRecord] = []
+    last_end: float | None = None
     while not all(s.is_finished for s in seqs):
-        before = len(clock.done)
-        t0 = time.perf_counter()
+        before = len(recorder.done)
+        recorder.waited = False
+        t0 = recorder.now()
         engine.step()
-        seconds = time.perf_counter() - t0
-        if len(clock.done) > before:
-            tokens, context, num_seqs = batches[-1]
-            steps.append(StepRecord(tokens, context, num_seqs, seconds))
+        t1 = recorder.now()
+        if len(recorder.done) > before:
+            if steps and last_end is not None:
+                steps[-1] = replace(steps[-1], gap_s=t0 - last_end)
+            tokens, context, num_seqs, prefill = batches[-1]
+            steps.append(StepRecord(tokens, context, num_seqs, t1 - t0, prefill))
+            last_end = t1
+        elif recorder.waited:
+            last_end = None  # an idle wait: no host gap to attribute
     for seq in seqs:
         seq.metrics.arrival_time -= start
         seq.metrics.first_token_time = (seq.metrics.first_token_time or 0.0) - start
         seq.metrics.finish_time = (seq.metrics.finish_time or 0.0) - start
         seq.metrics.token_times = [t - start for t in seq.metrics.token_times]
     return EngineRun([s.metrics for s in seqs], steps, engine.num_preemptions, engine.num_blocks)
+
+
+@contextmanager
+def quiet_torch() -> Iterator[None]:
+    """One torch thread and no garbage collection while timing (the two largest sources of step-time noise that
+    a process controls); both restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    was_enabled = gc.isenabled()
+    torch.set_num_threads(1)
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        if was_enabled:
+            gc.enable()
+
+
+@dataclass
+class Calibration:
+    """A step cost fitted to measured engine steps, with the steps it was fitted to."""
+
+    cost: LinearStepCost
+    steps: list[StepRecord]
+    clock: ClockKind
+
+    def resampled(self, seed: int = 0) -> ResampledStepCost:
+        """The fitted cost times measured/fitted ratios of the calibration steps, drawn at random."""
+        return ResampledStepCost.from_records(self.cost, self.steps, seed)
+
+    def residuals(self) -> np.ndarray:
+        """Measured / fitted for every calibration step (step plus host gap)."""
+        return np.array([(r.seconds + (r.gap_s or 0.0)) / self.cost.of(*r.features) for r in self.steps])
+
+
+def calibrate(
+    model: Any,
+    traces: Sequence[Sequence[TraceRequest]],
+    *,
+    clock: ClockKind = "cpu",
+    repeats: int = 2,
+    warmup: Sequence[TraceRequest] | None = None,
+    **engine_knobs: Any,
+) -> Calibration:
+    """Fit a `LinearStepCost` to the engine's steps over calibration `traces`, each run `repeats` times.
+
+    Run with one torch thread and the garbage collector off (`quiet_torch`), after a warm-up replay (default: the
+    first trace's first 8 requests). Validate on other traces (`validate`): a cost fitted to the run it
+    predicts proves nothing about prediction.
+    """
+    if not traces or repeats < 1:
+        raise ValueError("need at least one calibration trace and repeats >= 1")
+    steps: list[StepRecord] = []
+    with quiet_torch():
+        record_engine_steps(model, warmup or list(traces[0])[:8], clock, **engine_knobs)
+        for trace in traces:
+            for _ in range(repeats):
+                steps += record_engine_steps(model, trace, clock, **engine_knobs).steps
+    return Calibration(fit_linear_cost(steps), steps, clock)
+
+
+@dataclass
+class ValidationRow:
+    """One validation trace: the engine's (median over repeats) and the simulator's summaries and their relative
+    errors."""
+
+    label: str
+    engine: dict[str, float]
+    simulated: dict[str, float]
+    errors: dict[str, float]
+    step_ratio: np.ndarray  # per engine step: measured (step + gap) / the calibrated cost's prediction
+    round_errors: dict[str, list[float]] = field(default_factory=dict)  # each round's error, per key
+
+
+def validate(
+    model: Any,
+    calibration_traces: Sequence[Sequence[TraceRequest]],
+    traces: dict[str, Sequence[TraceRequest]],
+    *,
+    clock: ClockKind = "cpu",
+    repeats: int = 3,
+    resample: bool = False,
+    **engine_knobs: Any,
+) -> tuple[Calibration, list[ValidationRow]]:
+    """Calibrate on `calibration_traces`, predict `traces` (other seeds, other loads), and compare.
+
+    `repeats` rounds, each replaying every calibration trace and then every validation trace on the real engine
+    (back to back, so a machine whose speed drifts under other jobs drifts for both alike). Each round fits
+    its own step cost to its calibration steps and predicts its validation runs; an error is the median over
+    the rounds (best-of-N against one round's outlier). The simulator is charged the calibrated cost
+    (`resample=True`: times the calibration steps' own measured/fitted spread). Per trace: the error of each
+    of `VALIDATION_KEYS`, each round's errors, the median summaries, and per engine step the ratio of measured
+    seconds to the cost fitted on all rounds (where an error comes from). The returned calibration is that
+    all-rounds fit.
+    """
+    if not calibration_traces or not traces or repeats < 1:
+        raise ValueError("need calibration traces, validation traces and repeats >= 1")
+    rounds: list[tuple[list[StepRecord], dict[str, EngineRun]]] = []
+    with quiet_torch():
+        record_engine_steps(model, list(calibration_traces[0])[:8], clock, **engine_knobs)  # warm-up
+        for _ in range(repeats):
+            steps = [
+                r
+                for trace in calibration_traces
+                for r in record_engine_steps(model, trace, clock, **engine_knobs).steps
+            ]
+            runs = {
+                label: record_engine_steps(model, trace, clock, **engine_knobs)
+                for label, trace in traces.items()
+            }
+            rounds.append((steps, runs))
+    all_steps = [r for steps, _ in rounds for r in steps]
+    calibration = Calibration(fit_linear_cost(all_steps), all_steps, clock)
+    per_round = []
+    for steps, runs in rounds:
+        cal = Calibration(fit_linear_cost(steps), steps, clock)
+        errors = {}
+        for label, trace in traces.items():
+            cost: StepCost = cal.resampled() if resample else cal.cost
+            sim_summary = simulate(trace, cost, **engine_knobs).summary()
+            errors[label] = (runs[label].summary(), sim_summary)
+        per_round.append(errors)
+    rows = []
+    for label in traces:
+        pairs = [errors[label] for errors in per_round]
+        errs = [relative_errors(sim_s, real_s, VALIDATION_KEYS) for real_s, sim_s in pairs]
+        ratio = np.array(
+            [
+                (r.seconds + (r.gap_s or 0.0)) / calibration.cost.of(*r.features)
+                for _, runs in rounds
+                for r in runs[label].steps
+            ]
+        )
+        rows.append(
+            ValidationRow(
+                label,
+                {k: float(np.median([real_s[k] for real_s, _ in pairs])) for k in pairs[0][0]},
+                {k: float(np.median([sim_s[k] for _, sim_s in pairs])) for k in pairs[0][1]},
+                {k: float(np.median([e[k] for e in errs])) for k in VALIDATION_KEYS},
+                ratio,
+                {k: [e[k] for e in errs] for k in VALIDATION_KEYS},
+            )
+        )
+    return calibration, rows
 
 
 def relative_errors(
