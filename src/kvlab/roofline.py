@@ -225,11 +225,23 @@ def _decode(
 #
 # The roofline above is a lower bound: real engines run slower. Three things close most of the gap:
 # 1. achievable ceilings: a large copy reaches about 83 % of the datasheet HBM bandwidth (gpt-fast's README,
-#    pytorch-labs/gpt-fast: "peak bandwidth is about 1700 GB/s" on an A100-80GB rated 2,039 GB/s); dense matmuls
-#    reach a similar share of the tensor-core peak. kvlab's default matmul share, 0.75, is an assumption, not a
-#    measurement; `hardware.measure()` on the device replaces both (a measured ceiling is used as it is);
-# 2. a fixed per-step overhead (kernel launches, scheduling, sampling, the host loop): 1 ms by default, the
-#    residual the cited calibration figures leave after the bandwidth term (tests/data/published_decode.json);
+#    pytorch-labs/gpt-fast: "peak bandwidth is about 1700 GB/s" on an A100-80GB rated 2,039 GB/s). Dense bf16
+#    matmuls reach 80-87 % of the tensor-core peak at their best shape: Stas Bekman's Maximum Achievable Matmul
+#    FLOPS table (github.com/stas00/ml-engineering, compute/accelerator/README.md, "Maximum Achievable Matmul
+#    FLOPS comparison table", torch.matmul, mean of 100 iterations) lists 794.5 of 989 TFLOP/s (80.3 %) on an
+#    H100 SXM and 271.2 of 312 (86.9 %) on an A100 SXM; Horace He's gist "H100 peak matmul FLOPS"
+#    (gist.github.com/Chillee/2ec89696db8b7ed1c24461159e325405) reaches 780 TFLOP/s with a tuned CUTLASS kernel.
+#    kvlab takes 0.80, the H100 figure (the lower; a model's own shapes do not beat the best one);
+#    `hardware.measure()` on the device replaces both ceilings (a measured ceiling is used as it is);
+# 2. a fixed per-step overhead (kernel launches, scheduling, sampling, the host loop). Engines that do this host
+#    work serially leave the GPU idle for it: vLLM's multi-step scheduling RFC (vllm-project/vllm#6854, 2024)
+#    measured about 4 ms of GPU bubble per decode step, and the vLLM v0.6.0 performance blog
+#    (blog.vllm.ai/2024/09/05/perf-update.html) found the API server and the scheduler taking 33 % and 29 % of the
+#    time for Llama 3 8B on one H100. Engines since overlap it with the GPU (vLLM's async output processing and
+#    V1 engine, SGLang 0.4's "zero-overhead" overlap scheduler, lmsys.org/blog/2024-12-04-sglang-v0-4). What
+#    remains in the cited calibration figures (tests/data/published_decode.json: gpt-fast, vLLM 0.21-0.23 on
+#    A100 and H100) after the bandwidth term is 1.1-1.7 ms per step; kvlab's default, 1 ms, is the low end of
+#    that, an overlapped engine (`timing.measure_step_overhead` measures it on the device);
 # 3. the compute peak of the weights' dtype: fp8 weights run at the fp8 peak (`hardware.peak_flops`).
 # What it cannot express: speculative decoding (several tokens per step), quantized-weight kernels whose
 # dequantisation costs compute (int4/int8 weight-only), tensor parallelism's latency beyond `tp_decode_step`.
@@ -240,8 +252,8 @@ class Realism:
     """How far below the datasheet a real engine runs: shares of the ceilings and a fixed cost per step."""
 
     bandwidth_efficiency: float = 0.83  # gpt-fast README: ~1700 of 2039 GB/s on an A100-80GB
-    flops_efficiency: float = 0.75  # assumption (see above); measure() replaces it
-    step_overhead_s: float = 1e-3  # fitted residual of the calibration figures; engines with CUDA graphs
+    flops_efficiency: float = 0.80  # MAMF table: 794.5 of 989 TFLOP/s bf16 on an H100 SXM (see above)
+    step_overhead_s: float = 1e-3  # low end of the cited figures' 1.1-1.7 ms residual (see above)
 
     def __post_init__(self) -> None:
         for name in ("bandwidth_efficiency", "flops_efficiency"):
