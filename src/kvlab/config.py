@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from kvlab.quant import pool_format
 from kvlab.scheduler import SchedulerConfig, Scheduling
 
 KVLayout = Literal["paged", "contiguous"]
@@ -35,8 +36,12 @@ class EngineConfig:
     kv_layout: KVLayout = "paged"
     enable_chunked_prefill: bool = True
     scheduler_reserve_full_isl: bool = False  # True: admit only when the whole prompt's blocks are free
+    kv_cache_dtype: str = (
+        "auto"  # "auto": the model's dtype; "fp8" (e4m3) or "int8": 1 byte + scales (kvlab.quant)
+    )
 
     def __post_init__(self) -> None:
+        pool_format(self.kv_cache_dtype)  # a ValueError naming the known dtypes
         if self.enable_prefix_caching is None:
             object.__setattr__(self, "enable_prefix_caching", self.kv_layout == "paged")
         if self.kv_layout not in ("paged", "contiguous"):
@@ -79,4 +84,5 @@ VLLM_DEFAULTS: dict[str, str] = {
     "kv_layout": "paged (vLLM has no contiguous layout)",
     "enable_chunked_prefill": "True (vllm/config/scheduler.py)",
     "scheduler_reserve_full_isl": "True (vllm/config/scheduler.py)",
+    "kv_cache_dtype": "auto: the model's dtype (vllm/config/cache.py CacheDType)",
 }

@@ -129,15 +129,31 @@ def module_kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype | None 
     return total
 
 
-def expected_pool_bytes(model: torch.nn.Module, num_tokens: int, dtype: torch.dtype | None = None) -> int:
+def expected_pool_bytes(
+    model: torch.nn.Module, num_tokens: int, dtype: torch.dtype | None = None, kv_cache_dtype: str = "auto"
+) -> int:
     """Bytes a KV store of `num_tokens` token slots in every layer must hold: `module_kv_bytes_per_token` × tokens.
 
     This is the engine's pool when its blocks span every layer (one KV-cache group: Llama, Mistral, Qwen). In a
     hybrid model (Gemma 3) a block spans one group's layers, so the pool holds fewer layers per slot.
+    `kv_cache_dtype` "fp8"/"int8" (`EngineConfig`): one byte per K/V element plus one fp16 scale per token and
+    head, the heads counted as each projection's width over the module's `head_dim`.
     """
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-    return num_tokens * module_kv_bytes_per_token(model, dtype)
+    if kv_cache_dtype == "auto":
+        return num_tokens * module_kv_bytes_per_token(model, dtype)
+    from kvlab.quant import SCALE_DTYPE, pool_format
+
+    code_dtype = pool_format(kv_cache_dtype).code_dtype
+    assert code_dtype is not None
+    elements = module_kv_bytes_per_token(model, torch.uint8)  # K and V elements per token, all layers
+    heads = 0
+    for module in model.modules():
+        k_proj, v_proj = getattr(module, "k_proj", None), getattr(module, "v_proj", None)
+        if isinstance(k_proj, torch.nn.Linear) and isinstance(v_proj, torch.nn.Linear):
+            heads += (k_proj.out_features + v_proj.out_features) // int(module.head_dim)  # type: ignore[arg-type]
+    return num_tokens * (elements * code_dtype.itemsize + heads * SCALE_DTYPE.itemsize)
 
 
 def tensor_bytes(*tensors: torch.Tensor) -> int:

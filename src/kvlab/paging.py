@@ -36,6 +36,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvlab.arch import describe
 from kvlab.layers import SlidingWindowAttention
+from kvlab.quant import SCALE_DTYPE, pool_format
 
 ATTN_IMPLEMENTATION = "kvlab_paged"
 
@@ -107,7 +108,13 @@ class KVShape:
 
 
 class KVPool:
-    """The physical cache: one tensor `(layers, 2, num_blocks, block_size, kv_heads, head_dim)`, allocated once."""
+    """The physical cache: one tensor `(layers, 2, num_blocks, block_size, kv_heads, head_dim)`, allocated once.
+
+    `kv_cache_dtype` (vLLM's name): ``"auto"`` stores K and V in `dtype`, the model's. ``"fp8"`` (e4m3) and
+    ``"int8"`` store `kv` as one byte per element and `scales`, one fp16 scale per token and head
+    `(layers, 2, num_blocks, block_size, kv_heads)`: `write` quantizes (`kvlab.quant.quantize_fp8` /
+    `quantize_int8`), `gather` dequantizes the blocks it reads into the workspace, in `dtype`.
+    """
 
     def __init__(
         self,
@@ -116,57 +123,82 @@ class KVPool:
         block_size: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.shape, self.num_blocks, self.block_size = shape, num_blocks, block_size
-        self.kv = torch.zeros(
-            shape.num_layers,
-            2,
-            num_blocks,
-            block_size,
-            shape.kv_heads,
-            shape.head_dim,
-            dtype=dtype,
-            device=device,
-        )
+        self.format = pool_format(kv_cache_dtype)
+        self.dtype = dtype  # what attention reads: the model's dtype
+        dims = (shape.num_layers, 2, num_blocks, block_size, shape.kv_heads)
+        self.kv = torch.zeros(*dims, shape.head_dim, dtype=self.format.code_dtype or dtype, device=device)
+        self.scales: torch.Tensor | None = None
+        if self.format.quantized:
+            self.scales = torch.zeros(dims, dtype=SCALE_DTYPE, device=device)
         # Where `gather` copies blocks to: (2, blocks, block_size * kv_heads * head_dim), grown on demand.
-        self.workspace = self.kv.new_empty(2, 0, block_size * shape.kv_heads * shape.head_dim)
+        self.workspace = torch.empty(
+            2, 0, block_size * shape.kv_heads * shape.head_dim, dtype=dtype, device=device
+        )
 
     @staticmethod
-    def bytes_per_token(shape: KVShape, dtype: torch.dtype) -> int:
-        return shape.num_layers * 2 * shape.kv_heads * shape.head_dim * dtype.itemsize
+    def bytes_per_token(shape: KVShape, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        """Bytes of one token slot: every layer row, K and V, each head's codes plus scale when quantized."""
+        per_head = pool_format(kv_cache_dtype).bytes_per_head_token(shape.head_dim, dtype)
+        return shape.num_layers * 2 * shape.kv_heads * per_head
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the pool itself (not the gather workspace, which is activation memory)."""
-        return self.kv.numel() * self.kv.element_size()
+        """Bytes of the pool itself, scales included (not the gather workspace, which is activation memory)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors the pool holds: `kv`, and `scales` when quantized."""
+        return [self.kv] if self.scales is None else [self.kv, self.scales]
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V pools of one layer, each `(num_blocks, block_size, kv_heads, head_dim)`."""
+        """K and V pools of one layer, each `(num_blocks, block_size, kv_heads, head_dim)` (codes when quantized)."""
         row = self.shape.row(layer_idx)
         return self.kv[row, 0], self.kv[row, 1]
 
     def write(self, layer_idx: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store `(tokens, kv_heads, head_dim)` K and V at flat slot indices `block * block_size + offset`."""
-        k_pool, v_pool = self.layer(layer_idx)
-        k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slots, key.to(k_pool.dtype))
-        v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, value.to(v_pool.dtype))
+        row = self.shape.row(layer_idx)
+        for i, x in enumerate((key, value)):
+            pool = self.kv[row, i]
+            flat = pool.view(-1, *pool.shape[2:])
+            if self.scales is None:
+                flat.index_copy_(0, slots, x.to(pool.dtype))
+                continue
+            assert self.format.quantize is not None
+            codes, scale = self.format.quantize(x)
+            # index_copy_ has no float8 kernel on CPU: copy the codes as bytes.
+            flat.view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))
+            self.scales[row, i].view(-1, pool.shape[2]).index_copy_(0, slots, scale[..., 0])
 
     def gather(self, layer_idx: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of these blocks as `(len(block_ids), block_size, kv_heads, head_dim)` each.
+        """K and V of these blocks as `(len(block_ids), block_size, kv_heads, head_dim)` each, in the model's dtype.
 
         They are views of the workspace, valid until the next gather: one `index_select` per pool (a memcpy per
-        block), into memory that is already mapped, instead of a new allocation in every layer of every step.
+        block), into memory that is already mapped, instead of a new allocation in every layer of every step. A
+        quantized pool's codes and scales are selected the same way, then dequantized into the workspace.
         """
         n = block_ids.numel()
         if self.workspace.shape[1] < n:
-            self.workspace = self.kv.new_empty(
+            self.workspace = self.workspace.new_empty(
                 2, max(n, 2 * self.workspace.shape[1]), self.workspace.shape[2]
             )
+        row = self.shape.row(layer_idx)
         out = []
-        for pool, buffer in zip(self.layer(layer_idx), self.workspace, strict=True):
-            rows = torch.index_select(pool.view(pool.shape[0], -1), 0, block_ids, out=buffer[:n])
+        for i, buffer in enumerate(self.workspace):
+            pool = self.kv[row, i]
+            if self.scales is None:
+                rows = torch.index_select(pool.view(pool.shape[0], -1), 0, block_ids, out=buffer[:n])
+            else:
+                codes = torch.index_select(pool.view(torch.uint8).view(pool.shape[0], -1), 0, block_ids)
+                scales = torch.index_select(self.scales[row, i].view(pool.shape[0], -1), 0, block_ids)
+                rows = buffer[:n]
+                rows.copy_(codes.view(pool.dtype))
+                rows.view(n, -1, pool.shape[-1]).mul_(scales.view(n, -1, 1))
             out.append(rows.view(n, *pool.shape[1:]))
         return out[0], out[1]
 

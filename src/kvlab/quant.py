@@ -121,6 +121,47 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The engine's paged pool in 8 bits (`EngineConfig(kv_cache_dtype=...)`, read by `kvlab.paging.KVPool`).
+
+# vLLM's `--kv-cache-dtype` names: "auto" stores K/V in the model's dtype; "fp8" (= "fp8_e4m3") and kvlab's "int8"
+# store one byte per element plus one fp16 scale per token and head, quantized on write, dequantized on read.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
+
+
+@dataclass(frozen=True)
+class PoolFormat:
+    """How an engine pool stores K/V: `code_dtype` None keeps the model's dtype (no scales)."""
+
+    name: str
+    code_dtype: torch.dtype | None
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None
+
+    @property
+    def quantized(self) -> bool:
+        return self.code_dtype is not None
+
+    def bytes_per_head_token(self, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes one token of one K (or V) head takes: codes plus its fp16 scale, or `head_dim` model elements."""
+        if self.code_dtype is None:
+            return head_dim * dtype.itemsize
+        return head_dim * self.code_dtype.itemsize + SCALE_DTYPE.itemsize
+
+
+def pool_format(kv_cache_dtype: str) -> PoolFormat:
+    """The `PoolFormat` of a `kv_cache_dtype` name; a `ValueError` lists the known names."""
+    if kv_cache_dtype == "auto":
+        return PoolFormat("auto", None, None)
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return PoolFormat("fp8", FP8_DTYPE, quantize_fp8)
+    if kv_cache_dtype == "int8":
+        return PoolFormat("int8", torch.int8, quantize_int8)
+    raise ValueError(
+        f"unknown kv_cache_dtype {kv_cache_dtype!r}; known: {', '.join(KV_CACHE_DTYPES)} "
+        "('auto' = the model's dtype)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Cache layers.
 
 
