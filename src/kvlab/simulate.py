@@ -547,10 +547,10 @@ def validate(
 ) -> tuple[Calibration, list[ValidationRow]]:
     """Calibrate on `calibration_traces`, predict `traces` (other seeds, other loads), and compare.
 
-    `repeats` rounds, each replaying every calibration trace and then every validation trace on the real engine
-    (back to back, so a machine whose speed drifts under other jobs drifts for both alike). Each round fits
-    its own step cost to its calibration steps and predicts its validation runs; an error is the median over
-    the rounds (best-of-N against one round's outlier). The simulator is charged the calibrated cost
+    `repeats` rounds; in each, every validation trace is replayed on the real engine right after the
+    calibration traces (back to back, so a machine whose speed drifts under other jobs drifts for both alike),
+    and predicted from a step cost fitted to those calibration steps alone; an error is the median over the
+    rounds (best-of-N against one round's outlier). The simulator is charged the calibrated cost
     (`resample=True`: times the calibration steps' own measured/fitted spread). Per trace: the error of each
     of `VALIDATION_KEYS`, each round's errors, the median summaries, and per engine step the ratio of measured
     seconds to the cost fitted on all rounds (where an error comes from). The returned calibration is that
@@ -558,40 +558,40 @@ def validate(
     """
     if not calibration_traces or not traces or repeats < 1:
         raise ValueError("need calibration traces, validation traces and repeats >= 1")
-    rounds: list[tuple[list[StepRecord], dict[str, EngineRun]]] = []
+    # rounds[i][label] = (the calibration steps replayed just before, the validation run)
+    rounds: list[dict[str, tuple[list[StepRecord], EngineRun]]] = []
     with quiet_torch():
         record_engine_steps(model, list(calibration_traces[0])[:8], clock, **engine_knobs)  # warm-up
         for _ in range(repeats):
-            steps = [
-                r
-                for trace in calibration_traces
-                for r in record_engine_steps(model, trace, clock, **engine_knobs).steps
-            ]
-            runs = {
-                label: record_engine_steps(model, trace, clock, **engine_knobs)
-                for label, trace in traces.items()
-            }
-            rounds.append((steps, runs))
-    all_steps = [r for steps, _ in rounds for r in steps]
+            this_round: dict[str, tuple[list[StepRecord], EngineRun]] = {}
+            for label, trace in traces.items():
+                steps = [
+                    r
+                    for cal_trace in calibration_traces
+                    for r in record_engine_steps(model, cal_trace, clock, **engine_knobs).steps
+                ]
+                this_round[label] = (steps, record_engine_steps(model, trace, clock, **engine_knobs))
+            rounds.append(this_round)
+    all_steps = [r for this_round in rounds for steps, _ in this_round.values() for r in steps]
     calibration = Calibration(fit_linear_cost(all_steps), all_steps, clock)
-    per_round = []
-    for steps, runs in rounds:
-        cal = Calibration(fit_linear_cost(steps), steps, clock)
-        errors = {}
+    per_round: list[dict[str, tuple[dict[str, float], dict[str, float]]]] = []
+    for this_round in rounds:
+        compared = {}
         for label, trace in traces.items():
+            steps, run = this_round[label]
+            cal = Calibration(fit_linear_cost(steps), steps, clock)
             cost: StepCost = cal.resampled() if resample else cal.cost
-            sim_summary = simulate(trace, cost, **engine_knobs).summary()
-            errors[label] = (runs[label].summary(), sim_summary)
-        per_round.append(errors)
+            compared[label] = (run.summary(), simulate(trace, cost, **engine_knobs).summary())
+        per_round.append(compared)
     rows = []
     for label in traces:
-        pairs = [errors[label] for errors in per_round]
+        pairs = [by_label[label] for by_label in per_round]
         errs = [relative_errors(sim_s, real_s, VALIDATION_KEYS) for real_s, sim_s in pairs]
         ratio = np.array(
             [
                 (r.seconds + (r.gap_s or 0.0)) / calibration.cost.of(*r.features)
-                for _, runs in rounds
-                for r in runs[label].steps
+                for this_round in rounds
+                for r in this_round[label][1].steps
             ]
         )
         rows.append(
