@@ -1,5 +1,6 @@
 """kvlab.timing.measure_step_overhead: the fixed per-step cost, measured on a hollow twin of the model."""
 
+import dataclasses
 import math
 
 import pytest
@@ -33,8 +34,8 @@ def test_measured_overhead_feeds_the_realistic_model():
     assert len(overhead.timing.seconds) == 5 and all(
         math.isfinite(s) and s > 0 for s in overhead.timing.seconds
     )
-    assert overhead.layers == 2 and 0 <= overhead.bound_s < overhead.timing.median_s
-    assert overhead.step_s == pytest.approx(overhead.timing.median_s - overhead.bound_s)
+    assert overhead.layers == 2 and 0 <= overhead.bound_s < overhead.timing.best_s
+    assert overhead.step_s == pytest.approx(overhead.timing.best_s - overhead.bound_s)
     assert overhead.per_layer_s == pytest.approx(overhead.step_s / 2)
     realism = overhead.realism()
     assert realism.step_overhead_s == overhead.step_s
@@ -87,3 +88,23 @@ def test_best_ratio_uses_the_fastest_step():
     step = decode_step("meta-llama/Llama-3.1-8B", "H100-SXM", 1, 1024, dtype="bf16")
     row = timing.DecodeComparison(timing.StepTiming(1, 1024, (3.0, 1.0, 2.0)), step, predicted_s=0.5)
     assert (row.best_ratio, row.ratio) == (2.0, 4.0)
+
+
+def test_remeasured_ceilings_keep_the_best_bandwidth_and_flops():
+    model = tiny_model("llama", layers=2, hidden=64, heads=4, vocab=256, device="cpu")
+    samples = iter([(20e9, 30e9), (5e9, 90e9)])  # a faster copy in one round, a faster matmul in the next
+
+    def remeasure() -> hardware.Measurement:
+        bandwidth, flops = next(samples)
+        return dataclasses.replace(FAKE_DEVICE, bandwidth_bytes_per_s=bandwidth, flops=flops)
+
+    realism = Realism(step_overhead_s=1e-3)
+    (row,) = timing.compare_decode(
+        model, FAKE_DEVICE, [1], [8], repeat=1, warmup=0, rounds=2, realism=realism, remeasure=remeasure
+    )
+    step = row.predicted
+    assert step.memory_s == pytest.approx(step.bytes / 20e9) and step.compute_s == pytest.approx(
+        step.flops / 90e9
+    )
+    assert row.prediction_s == pytest.approx(max(step.memory_s, step.compute_s) + 1e-3)
+    assert len(row.measured.seconds) == 2

@@ -15,7 +15,7 @@ Chapters: *Prefill and decode* (book/03_prefill_decode), *Why decode is bandwidt
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -166,6 +166,7 @@ def compare_decode(
     *,
     rounds: int = 1,
     realism: Realism | None = None,
+    remeasure: Callable[[], Accelerator | Measurement] | None = None,
 ) -> list[DecodeComparison]:
     """Time decode steps of `model` at every (batch, context) pair and predict each with `kvlab.roofline`.
 
@@ -176,28 +177,47 @@ def compare_decode(
     points (every cache stays allocated between passes), so a burst of load from other processes slows one
     round of every point instead of every step of one point; a point's best is then the fastest of
     `rounds × repeat` steps taken at different times.
+
+    With `remeasure` (e.g. `lambda: kvlab.hardware.measure(device, repeat=3)`), the ceilings are measured again
+    before every round, and every prediction uses the highest bandwidth and FLOP/s among `hw` and those
+    measurements: both sides of the ratio are then the best of samples spread over the same stretch of time.
+    A single measurement taken in a quiet moment, compared with steps taken later under load from other
+    processes, would make the steps look slow against the roofline.
     """
     check_count("rounds", rounds)
     check_count("repeat", repeat)
     check_count("warmup", warmup, 0)
     benches = [_DecodeBench(model, b, c, seed=0) for b in batch_sizes for c in context_lens]
-    times: list[list[float]] = [[] for _ in benches]
+
     for bench in benches:
         for _ in range(warmup):
             bench.step()
+    pooled: list[list[float]] = [[] for _ in benches]
+    ceilings = hw
     for _ in range(rounds):
-        for bench, seconds in zip(benches, times, strict=True):
+        if remeasure is not None:
+            ceilings = _best_ceilings(ceilings, remeasure())
+        for bench, seconds in zip(benches, pooled, strict=True):
             seconds.extend(bench.step() for _ in range(repeat))
     rows = []
-    for bench, seconds in zip(benches, times, strict=True):
-        step = decode_step(model.config, hw, bench.batch_size, bench.context_len, dtype=model.dtype)
-        predicted_s = None if realism is None else realistic_time(step, hw, model.dtype, realism)
+    for bench, seconds in zip(benches, pooled, strict=True):
+        step = decode_step(model.config, ceilings, bench.batch_size, bench.context_len, dtype=model.dtype)
+        predicted_s = None if realism is None else realistic_time(step, ceilings, model.dtype, realism)
         rows.append(
             DecodeComparison(
                 StepTiming(bench.batch_size, bench.context_len, tuple(seconds)), step, predicted_s
             )
         )
     return rows
+
+
+def _best_ceilings(a: Accelerator | Measurement, b: Accelerator | Measurement) -> Accelerator | Measurement:
+    """`a` with the higher bandwidth and the higher FLOP/s of `a` and `b` (two measurements of one device)."""
+    return replace(
+        a,
+        bandwidth_bytes_per_s=max(a.bandwidth_bytes_per_s, b.bandwidth_bytes_per_s),
+        flops=max(a.flops, b.flops),
+    )
 
 
 # --- The fixed per-step overhead, measured ------------------------------------------------------------------------
@@ -240,8 +260,9 @@ class StepOverhead:
 
     @property
     def step_s(self) -> float:
-        """Seconds per step that neither bandwidth nor compute explains (median step minus its bound)."""
-        return max(self.timing.median_s - self.bound_s, 0.0)
+        """Seconds per step that neither bandwidth nor compute explains: the fastest hollow step minus its bound.
+        The fastest, not the median: other processes on a loaded machine lengthen some steps, never shorten one."""
+        return max(self.timing.best_s - self.bound_s, 0.0)
 
     @property
     def per_layer_s(self) -> float:
