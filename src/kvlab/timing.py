@@ -179,10 +179,10 @@ def compare_decode(
     `rounds × repeat` steps taken at different times.
 
     With `remeasure` (e.g. `lambda: kvlab.hardware.measure(device, repeat=3)`), the ceilings are measured again
-    before every round, and every prediction uses the highest bandwidth and FLOP/s among `hw` and those
-    measurements: both sides of the ratio are then the best of samples spread over the same stretch of time.
-    A single measurement taken in a quiet moment, compared with steps taken later under load from other
-    processes, would make the steps look slow against the roofline.
+    right before every round and that round's steps are predicted from them; each point keeps the round whose
+    fastest step came closest to its prediction (lowest measured / predicted). Load from other processes slows
+    a round's copy and its steps alike, so each round compares like with like, where one measurement taken in a
+    quiet moment would be compared with steps taken later under load (or the reverse).
     """
     check_count("rounds", rounds)
     check_count("repeat", repeat)
@@ -192,32 +192,32 @@ def compare_decode(
     for bench in benches:
         for _ in range(warmup):
             bench.step()
-    pooled: list[list[float]] = [[] for _ in benches]
-    ceilings = hw
-    for _ in range(rounds):
-        if remeasure is not None:
-            ceilings = _best_ceilings(ceilings, remeasure())
-        for bench, seconds in zip(benches, pooled, strict=True):
-            seconds.extend(bench.step() for _ in range(repeat))
-    rows = []
-    for bench, seconds in zip(benches, pooled, strict=True):
-        step = decode_step(model.config, ceilings, bench.batch_size, bench.context_len, dtype=model.dtype)
-        predicted_s = None if realism is None else realistic_time(step, ceilings, model.dtype, realism)
-        rows.append(
-            DecodeComparison(
-                StepTiming(bench.batch_size, bench.context_len, tuple(seconds)), step, predicted_s
-            )
+
+    def compare(
+        bench: _DecodeBench, on: Accelerator | Measurement, seconds: Sequence[float]
+    ) -> DecodeComparison:
+        step = decode_step(model.config, on, bench.batch_size, bench.context_len, dtype=model.dtype)
+        predicted_s = None if realism is None else realistic_time(step, on, model.dtype, realism)
+        return DecodeComparison(
+            StepTiming(bench.batch_size, bench.context_len, tuple(seconds)), step, predicted_s
         )
-    return rows
 
-
-def _best_ceilings(a: Accelerator | Measurement, b: Accelerator | Measurement) -> Accelerator | Measurement:
-    """`a` with the higher bandwidth and the higher FLOP/s of `a` and `b` (two measurements of one device)."""
-    return replace(
-        a,
-        bandwidth_bytes_per_s=max(a.bandwidth_bytes_per_s, b.bandwidth_bytes_per_s),
-        flops=max(a.flops, b.flops),
-    )
+    pooled: list[list[float]] = [[] for _ in benches]
+    kept: list[DecodeComparison] = []
+    for r in range(rounds):
+        ceilings = hw if remeasure is None else remeasure()
+        for i, bench in enumerate(benches):
+            seconds = [bench.step() for _ in range(repeat)]
+            pooled[i].extend(seconds)
+            if remeasure is not None:
+                row = compare(bench, ceilings, seconds)
+                if r == 0:
+                    kept.append(row)
+                elif row.best_ratio < kept[i].best_ratio:
+                    kept[i] = row
+    if remeasure is not None:
+        return kept
+    return [compare(bench, hw, seconds) for bench, seconds in zip(benches, pooled, strict=True)]
 
 
 # --- The fixed per-step overhead, measured ------------------------------------------------------------------------
