@@ -137,3 +137,63 @@ def test_no_count_up_to_the_limit():
             targets=P.Targets(ttft_ms=200, percentile=90),
             max_gpus=2,
         )
+
+
+def test_tp_link_time_hand_worked():
+    """Llama-3.1-8B (32 layers, hidden 4096, bf16) at tp=2 on H100 SXM (NVLink 900 GB/s total, 450 GB/s each
+    way): per token, two all-reduces per layer of 4096 × 2 bytes = 524,288 bytes enter; a 2-rank ring sends
+    2 × (1/2) of that, 524,288 bytes, in 1.165 µs. Plus 64 all-reduce latencies."""
+    cost = P.RooflineStepCost("meta-llama/Llama-3.1-8B", "H100-SXM", tp=2, allreduce_latency_s=10e-6)
+    per_token = 524_288 / 450e9
+    assert cost.link_seconds([1] * 8) == pytest.approx(8 * per_token + 64 * 10e-6, rel=1e-9)
+    assert cost.link_seconds([100]) == pytest.approx(100 * per_token + 64 * 10e-6, rel=1e-9)
+    one = P.RooflineStepCost("meta-llama/Llama-3.1-8B", "H100-SXM")
+    assert one.link_seconds([1] * 8) == 0.0  # one GPU: no link
+    # tp=2 halves each GPU's bytes: the decode step's memory term is about half of tp=1's.
+    assert cost.parts([1], [1024])[1] == pytest.approx(one.parts([1], [1024])[1] / 2, rel=0.05)
+    assert cost([1], [1024]) == pytest.approx(
+        max(cost.parts([1], [1024])) + cost.link_seconds([1]) + roofline.REALISM.step_overhead_s
+    )
+
+
+def test_pp_step_passes_every_stage_and_hands_off_activations():
+    """pp=2: a step is 2 stages of half the layers (about the whole model's bytes at one GPU's bandwidth) plus
+    one hand-off of 4096 × 2 bytes per token over the link."""
+    one = P.RooflineStepCost("meta-llama/Llama-3.1-8B", "H100-SXM")
+    two = P.RooflineStepCost("meta-llama/Llama-3.1-8B", "H100-SXM", pp=2)
+    assert two.link_seconds([1] * 4) == pytest.approx(4 * 4096 * 2 / 450e9, rel=1e-9)
+    for batch, context in ((1, 1024), (32, 4096)):
+        pp_memory, tp1_memory = (
+            two.parts([1] * batch, [context] * batch)[1],
+            one.parts([1] * batch, [context] * batch)[1],
+        )
+        assert tp1_memory <= pp_memory <= 1.15 * tp1_memory  # the largest stage counted twice
+
+
+def test_pp_plan_splits_the_pool_and_counts_its_gpus():
+    kw = dict(
+        context=8192, workload=P.Workload(rate=2.0, **SMALL), targets=P.Targets(ttft_ms=2000, itl_ms=200)
+    )
+    p = P.plan("meta-llama/Llama-3.1-70B", "H100-SXM", tp=2, pp=2, dp=1, **kw)
+    assert (p.num_gpus, p.engines) == (4, 2)
+    mb = budget.memory_budget("meta-llama/Llama-3.1-70B", "H100-SXM", tp=2, pp=2)
+    assert p.budget == mb
+    assert "tp=2, pp=2" in p.report() and "links" in p.report() and p.link_ms > 0
+    with pytest.raises(P.PlanError, match="pipeline-parallel size 33 exceeds"):
+        P.plan("meta-llama/Llama-3.1-8B", "H100-SXM", pp=33, dp=1, max_gpus=64, **kw)
+    with pytest.raises(P.PlanError, match="does not divide"):
+        P.plan("meta-llama/Llama-3.1-8B", "H100-SXM", tp=3, dp=1, **kw)
+
+
+def test_cli_plan_with_tp_and_pp(capsys):
+    from kvlab import cli
+
+    argv = ["plan", "meta-llama/Llama-3.1-70B", "--gpu", "H100-SXM", "--context", "8k", "--ttft", "2s"]
+    argv += ["--rate", "2/s", "--requests", "30", "--input-len", "200", "--output-len", "40"]
+    assert cli.main([*argv, "--tp", "2", "--pp", "2", "--dp", "1", "--allreduce-latency", "20us"]) == 0
+    out = capsys.readouterr().out
+    assert "4 × H100-SXM (tp=2, pp=2, dp=1)" in out and "links" in out
+    assert (
+        cli.main(["plan", "meta-llama/Llama-3.1-8B", "--gpu", "H100-SXM", "--rate", "1/s", "--pp", "33"]) == 2
+    )
+    assert "pipeline-parallel size 33 exceeds" in capsys.readouterr().err.strip().splitlines()[-1]

@@ -48,11 +48,13 @@ def _tokens(text: str) -> int:
 
 
 def _millis(text: str) -> float:
-    """'500ms', '0.5s' or a bare number of milliseconds."""
+    """'500ms', '0.5s', '20us' or a bare number of milliseconds."""
     raw = text.strip().lower()
     scale = 1.0
     if raw.endswith("ms"):
         raw = raw[:-2]
+    elif raw.endswith(("us", "µs")):
+        raw, scale = raw[:-2], 1e-3
     elif raw.endswith("s"):
         raw, scale = raw[:-1], 1e3
     try:
@@ -114,10 +116,17 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--prefix-len", type=_nonnegative_int, default=0, help="tokens of that shared prefix")
     p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel GPUs per replica")
+    p.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel stages per replica")
     p.add_argument(
         "--dp", type=_positive_int, help="data-parallel replicas (default: the smallest meeting the targets)"
     )
-    p.add_argument("--max-gpus", type=_positive_int, default=64, help="search limit on tp × dp")
+    p.add_argument("--max-gpus", type=_positive_int, default=64, help="search limit on tp × pp × dp")
+    p.add_argument(
+        "--allreduce-latency",
+        type=_millis,
+        default=0.0,
+        help="latency of one TP all-reduce on top of its bytes over the link, e.g. 20us (default 0)",
+    )
     p.add_argument("--weight-dtype", default="bf16", choices=["fp32", "fp16", "bf16", "fp8", "int8"])
     p.add_argument("--kv-dtype", default="bf16", choices=["fp32", "fp16", "bf16", "fp8", "int8"])
     p.add_argument("--max-num-seqs", type=_positive_int, default=budget.MAX_NUM_SEQS)
@@ -155,8 +164,10 @@ def plan_report(args: argparse.Namespace) -> str:
         workload=workload,
         targets=targets,
         tp=args.tp,
+        pp=args.pp,
         dp=args.dp,
         max_gpus=args.max_gpus,
+        allreduce_latency_s=args.allreduce_latency / 1e3,
         weight_dtype=args.weight_dtype,
         kv_dtype=args.kv_dtype,
         engine=engine,

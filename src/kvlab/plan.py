@@ -16,9 +16,15 @@ Given a model, a GPU, a parallel layout, dtypes, engine settings, a workload and
 6. which constraint binds: memory (the pool runs short: preemptions, a full pool), queueing (requests wait
    longer than they compute), compute or bandwidth (the step's roofline term at the batch it runs).
 
-Data-parallel replicas split the arrival rate evenly (each sees a Poisson stream of rate / dp); tensor
-parallelism shrinks each GPU's weights, KV and FLOPs (`kvlab.sizing` `tp`) and adds no link time here (see
-`kvlab.roofline.tp_decode_step` for that term). Chapter: *Capacity planning* (book/14_capacity_planning).
+Data-parallel replicas split the arrival rate evenly (each sees a Poisson stream of rate / dp). Tensor
+parallelism shrinks each GPU's weights, KV and FLOPs (`kvlab.sizing` `tp`) and adds, per step, two ring
+all-reduces per layer of the step's tokens over the GPU's link (`kvlab.roofline.allreduce_buffer_bytes`, as
+`kvlab.roofline.tp_decode_step` counts them), plus an optional latency per all-reduce. Pipeline parallelism
+(`pp` stages, `kvlab.sizing` `pp`: each GPU holds its stage's layers, weights and KV) runs `pp` micro-batches in
+flight, each with its own scheduler, 1/pp of the KV pool and 1/pp of the load; a step of one micro-batch passes
+every stage (pp × the largest stage's time) plus pp - 1 hand-offs of its activations over the link. So PP adds
+latency per step and, with pp batches in flight, keeps every stage busy. Chapter: *Capacity planning*
+(book/14_capacity_planning).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvlab import budget, hardware, roofline, sizing
-from kvlab.arch import resolve
+from kvlab.arch import describe, resolve
 from kvlab.metrics import SLO, RequestMetrics
 from kvlab.simulate import SimulationResult, simulate
 from kvlab.workloads import LengthProfile, TraceRequest, synthetic_trace
@@ -129,12 +135,15 @@ class Engine:
 
 
 class RooflineStepCost:
-    """A GPU step under `kvlab.roofline`'s realistic model, for a batch of chunks and decodes on one TP group.
+    """A GPU step under `kvlab.roofline`'s realistic model, for a batch of chunks and decodes on one TP group
+    (times `pp` pipeline stages).
 
-    Per step: every weight byte of one GPU's share read once; each scheduled sequence's cache read up to its
+    Per stage: every weight byte of one GPU's share read once; each scheduled sequence's cache read up to its
     context (`kvlab.sizing.kv_bytes_per_token` per GPU, growing linearly: sliding-window caps are ignored, an
     overestimate for hybrid models); 2 FLOP per active weight per new token (logits only for sampling rows) plus
-    attention over the context, split `tp` ways; max(compute, memory) over achievable ceilings, plus overhead.
+    attention over the context, split `tp × pp` ways; max(compute, memory) over achievable ceilings. A step is
+    `pp` stages (the largest, `kvlab.sizing`'s per-GPU figures) plus the link time (`link_seconds`: TP
+    all-reduces, PP hand-offs), plus the overhead.
     """
 
     def __init__(
@@ -145,37 +154,64 @@ class RooflineStepCost:
         kv_dtype: str = "bf16",
         tp: int = 1,
         realism: roofline.Realism | None = None,
+        pp: int = 1,
+        allreduce_latency_s: float = 0.0,
     ) -> None:
         config = resolve(config)
         acc = hardware.get(gpu) if isinstance(gpu, str) else gpu
+        sizing.check_parallel(describe(config), tp, pp)
+        if allreduce_latency_s < 0:
+            raise PlanError(f"allreduce_latency_s must be >= 0, got {allreduce_latency_s!r}")
+        self.tp, self.pp = tp, pp
         self.realism = roofline.REALISM if realism is None else realism
         cost = roofline.model_cost(config)
         text = config.get_text_config(decoder=True)
         # An untied input-embedding table is gathered, not read whole (as kvlab.roofline counts it); the rows a
-        # step gathers are a few KiB per token and are left out.
-        gathered_only = cost.input_embedding_params * sizing.dtype_bytes(dtype) / tp
-        self.weight_bytes = float(sizing.weight_bytes_per_gpu(text, dtype, tp=tp)) - gathered_only
-        self.kv_per_token = float(sizing.kv_bytes_per_token(config, kv_dtype, tp=tp))
-        self.body_flops = 2.0 * (cost.active_params - cost.lm_head_params) / tp
-        self.head_flops = 2.0 * cost.lm_head_params / tp
-        self.attn_flops_per_ctx = cost.attention_flops(1024) / 1024 / tp
+        # step gathers are a few KiB per token and are left out (on the first stage, the one that holds it).
+        gathered_only = cost.input_embedding_params * sizing.dtype_bytes(dtype) / tp if pp == 1 else 0.0
+        self.weight_bytes = float(sizing.weight_bytes_per_gpu(text, dtype, tp=tp, pp=pp)) - gathered_only
+        self.kv_per_token = float(sizing.kv_bytes_per_token(config, kv_dtype, tp=tp, pp=pp))
+        self.body_flops = 2.0 * (cost.active_params - cost.lm_head_params) / (tp * pp)
+        self.head_flops = 2.0 * cost.lm_head_params / tp  # on the last stage
+        self.attn_flops_per_ctx = cost.attention_flops(1024) / 1024 / (tp * pp)
         self.bandwidth = acc.bandwidth_bytes_per_s * self.realism.bandwidth_efficiency
         self.flops = hardware.peak_flops(acc, dtype) * self.realism.flops_efficiency
+        self.link_bytes_per_s = hardware.gpu_link_bytes_per_s(acc)
+        # Per token: what each rank sends in the ring all-reduces of all layers, and one stage-to-stage hand-off.
+        per_token_buffer = roofline.allreduce_buffer_bytes(config, 1, dtype)
+        self.allreduce_bytes_per_token = (
+            roofline.ring_allreduce_bytes_sent(per_token_buffer, tp) if tp > 1 else 0.0
+        )
+        self.handoff_bytes_per_token = float(text.hidden_size * sizing.dtype_bytes(dtype))
+        self.allreduce_latency_s = allreduce_latency_s * 2 * describe(config).num_layers if tp > 1 else 0.0
 
     def parts(self, num_new_tokens: Sequence[int], context_lens: Sequence[int]) -> tuple[float, float]:
-        """(compute seconds, memory seconds) of the step, before the overhead."""
+        """(compute seconds, memory seconds) of the step summed over its `pp` stages (each the largest), before
+        the link time and the overhead."""
         tokens = sum(num_new_tokens)
         attention = sum(n * (c - (n - 1) / 2) for n, c in zip(num_new_tokens, context_lens, strict=True))
         flops = (
             self.body_flops * tokens
-            + self.head_flops * len(num_new_tokens)
+            + self.head_flops * len(num_new_tokens) / self.pp
             + self.attn_flops_per_ctx * attention
         )
         moved = self.weight_bytes + self.kv_per_token * sum(context_lens)
-        return flops / self.flops, moved / self.bandwidth
+        return self.pp * flops / self.flops, self.pp * moved / self.bandwidth
+
+    def link_seconds(self, num_new_tokens: Sequence[int]) -> float:
+        """Link time of the step: TP's ring all-reduces of every token's activations (two per layer, plus their
+        latency) and PP's pp - 1 hand-offs of them; not overlapped with compute (an upper bound)."""
+        tokens = sum(num_new_tokens)
+        allreduce = tokens * self.allreduce_bytes_per_token / self.link_bytes_per_s + self.allreduce_latency_s
+        handoff = (self.pp - 1) * tokens * self.handoff_bytes_per_token / self.link_bytes_per_s
+        return allreduce + handoff
 
     def __call__(self, num_new_tokens: Sequence[int], context_lens: Sequence[int]) -> float:
-        return max(self.parts(num_new_tokens, context_lens)) + self.realism.step_overhead_s
+        return (
+            max(self.parts(num_new_tokens, context_lens))
+            + self.link_seconds(num_new_tokens)
+            + self.realism.step_overhead_s
+        )
 
 
 @dataclass
@@ -198,21 +234,29 @@ class Plan:
     binding: str
     offered: str
     searched: list[tuple[int, float, bool]] = field(default_factory=list)  # (dp, attainment, met)
+    pp: int = 1
+    link_ms: float = 0.0  # TP all-reduce + PP hand-off time of a decode step of the mean batch
 
     @property
     def num_gpus(self) -> int:
-        return self.tp * self.dp
+        return self.tp * self.pp * self.dp
+
+    @property
+    def engines(self) -> int:
+        """Schedulers serving the load: dp replicas × pp micro-batches in flight."""
+        return self.dp * self.pp
 
     def report(self) -> str:
         s, t = self.summary, self.targets
         p = f"p{t.percentile:g}"
         lines = [
-            f"plan         {self.model} on {self.num_gpus} × {self.gpu} (tp={self.tp}, dp={self.dp}); "
+            f"plan         {self.model} on {self.num_gpus} × {self.gpu} (tp={self.tp}, pp={self.pp}, dp={self.dp}); "
             f"load {self.offered}",
             "memory budget, one GPU:",
             *self.budget.lines(self.context),
             f"KV pool      {self.budget.num_blocks:,} blocks × {self.budget.block_size} tokens = "
-            f"{self.budget.max_tokens():,} tokens per replica",
+            f"{self.budget.max_tokens():,} tokens per replica"
+            + (f", split over {self.pp} micro-batches in flight" if self.pp > 1 else ""),
             f"concurrency  {self.max_sequences:,} sequences of {self.context:,} tokens in whole blocks; vLLM's "
             f"start-up line would say {self.vllm_max_concurrency:.2f}x (a worst-case memory bound, not a latency "
             "prediction)",
@@ -228,16 +272,23 @@ class Plan:
         )
         verdict = "met" if self.meets_targets else "NOT met"
         lines += [
-            f"throughput   {s['request_throughput'] * self.dp:.2f} req/s, {s['output_throughput'] * self.dp:,.0f} "
-            f"output tok/s over {self.dp} replica(s); preemptions {int(s['num_preemptions'])} per replica",
+            f"throughput   {s['request_throughput'] * self.engines:.2f} req/s, "
+            f"{s['output_throughput'] * self.engines:,.0f} output tok/s over {self.dp} replica(s); preemptions "
+            f"{int(s['num_preemptions'])} per scheduler",
             f"targets      {targets or 'none'} for {t.percentile:g}% of requests: {verdict} "
             f"({self.attainment:.1%} attain, {p})",
             f"goodput      {self.goodput_rps:.2f} req/s (DistServe, arXiv:2401.09670: highest rate with "
             f"{t.percentile:g}% attaining), over {self.dp} replica(s)",
             f"binds        {self.binding}",
         ]
+        if self.tp > 1 or self.pp > 1:
+            lines.insert(
+                -1,
+                f"links        {self.link_ms:.3f} ms per decode step of the mean batch (TP all-reduces, "
+                "PP hand-offs; modelled, not overlapped)",
+            )
         if self.searched:
-            tried = ", ".join(f"{d * self.tp} GPUs {a:.0%}" for d, a, _ in self.searched)
+            tried = ", ".join(f"{d * self.tp * self.pp} GPUs {a:.0%}" for d, a, _ in self.searched)
             lines.append(f"GPU search   {tried}")
         return "\n".join(lines)
 
@@ -257,8 +308,18 @@ def _binding(result: SimulationResult, cost: RooflineStepCost) -> str:
         sum(r.num_prompt_tokens + r.num_output_tokens / 2 for r in result.requests) / len(result.requests)
     )
     compute, memory = cost.parts([1] * batch, [context] * batch)
+    link = cost.link_seconds([1] * batch)
+    if link > max(compute, memory):
+        return (
+            f"links: a decode step of the mean batch ({batch}) spends longer on GPU links ({link * 1e3:.2f} ms) "
+            f"than on compute ({compute * 1e3:.2f} ms) or memory ({memory * 1e3:.2f} ms)"
+        )
     regime = "compute" if compute > memory else "bandwidth"
     return f"{regime}: a decode step of the mean batch ({batch}) is {regime}-bound (compute {compute * 1e3:.2f} ms, memory {memory * 1e3:.2f} ms)"
+
+
+def _mean_batch(result: SimulationResult) -> int:
+    return max(1, round(result.summary()["mean_running"]))
 
 
 def plan(
@@ -269,24 +330,32 @@ def plan(
     workload: Workload,
     targets: Targets,
     tp: int = 1,
+    pp: int = 1,
     dp: int | None = None,
     max_gpus: int = 64,
     weight_dtype: str = "bf16",
     kv_dtype: str = "bf16",
     engine: Engine | None = None,
     realism: roofline.Realism | None = None,
+    allreduce_latency_s: float = 0.0,
 ) -> Plan:
     """Plan `model` on `gpu` (see the module docstring). `dp=None` searches the smallest data-parallel count
-    (up to `max_gpus` GPUs in all) meeting `targets` at the workload's rate; a given `dp` is evaluated as is."""
+    (up to `max_gpus` GPUs in all, tp × pp per replica) meeting `targets` at the workload's rate; a given `dp`
+    is evaluated as is."""
     engine = engine or Engine()
     acc = hardware.get(gpu) if isinstance(gpu, str) else gpu
     config = resolve(model)
     if context < 2:
         raise PlanError(f"context must be >= 2 tokens, got {context}")
-    if tp < 1 or (dp is not None and dp < 1) or max_gpus < tp:
+    if tp < 1 or pp < 1 or (dp is not None and dp < 1) or max_gpus < tp * pp:
         raise PlanError(
-            f"need tp >= 1, dp >= 1 and max_gpus >= tp, got tp={tp}, dp={dp}, max_gpus={max_gpus}"
+            f"need tp >= 1, pp >= 1, dp >= 1 and max_gpus >= tp × pp, got tp={tp}, pp={pp}, dp={dp}, "
+            f"max_gpus={max_gpus}"
         )
+    try:
+        sizing.check_parallel(describe(config), tp, pp)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
     mb = budget.memory_budget(
         config,
         acc,
@@ -297,33 +366,41 @@ def plan(
         max_num_seqs=engine.max_num_seqs,
         block_size=engine.block_size,
         tp=tp,
+        pp=pp,
     )
+    layout = f"tp={tp}" + (f", pp={pp}" if pp > 1 else "")
     if not mb.fits:
-        short = sizing.weight_bytes_per_gpu(config, weight_dtype, tp=tp)
+        short = sizing.weight_bytes_per_gpu(config, weight_dtype, tp=tp, pp=pp)
         raise PlanError(
-            f"{model} does not fit one {acc.name} at tp={tp}: weights alone take {short / 2**30:.1f} GiB of "
-            f"{acc.memory_bytes / 2**30:.1f} GiB and no KV block is left; raise --tp or use a larger GPU"
+            f"{model} does not fit one {acc.name} at {layout}: weights alone take {short / 2**30:.1f} GiB of "
+            f"{acc.memory_bytes / 2**30:.1f} GiB and no KV block is left; raise --tp/--pp or use a larger GPU"
         )
-    if mb.max_sequences(context) < 1:
+    # With pp micro-batches in flight, each scheduler gets 1/pp of the pool.
+    blocks_per_scheduler = mb.num_blocks // pp
+    if blocks_per_scheduler * mb.block_size < context + mb.block_size:
         raise PlanError(
             f"not one sequence of {context:,} tokens fits the KV pool of {mb.max_tokens():,} tokens on {acc.name} "
-            f"at tp={tp}; raise --tp, shorten --context or lower the KV precision"
+            f"at {layout}"
+            + (f" (1/{pp} of it per micro-batch)" if pp > 1 else "")
+            + "; raise --tp, shorten --context or lower the KV precision"
         )
-    cost = RooflineStepCost(config, acc, weight_dtype, kv_dtype, tp, realism)
+    cost = RooflineStepCost(config, acc, weight_dtype, kv_dtype, tp, realism, pp, allreduce_latency_s)
     workload = _capped(workload, context)
     vocab = config.get_text_config(decoder=True).vocab_size
     # Random prompts share nothing beyond the workload's prefix: hashing their blocks would only cost time.
     caching = engine.enable_prefix_caching and workload.prefix_fraction > 0 and workload.prefix_len > 0
 
     def run(replicas: int, rate: float | None = None) -> SimulationResult:
-        """One replica's share of the load: the workload's own, or an open-loop `rate` over all replicas."""
+        """One scheduler's share of the load (replicas × pp schedulers): the workload's own, or an open-loop
+        `rate` over all replicas."""
+        schedulers = replicas * pp
         if rate is not None:
-            per_replica: float | None = rate / replicas
+            per_replica: float | None = rate / schedulers
             conc = None
         elif workload.concurrency is not None:
-            per_replica, conc = None, max(1, workload.concurrency // replicas)
+            per_replica, conc = None, max(1, workload.concurrency // schedulers)
         else:
-            per_replica, conc = (workload.rate or 0.0) / replicas, None
+            per_replica, conc = (workload.rate or 0.0) / schedulers, None
         return serve(workload.trace(per_replica, vocab), conc)
 
     def serve(trace: list[TraceRequest], concurrency: int | None) -> SimulationResult:
@@ -331,7 +408,7 @@ def plan(
         return simulate(
             trace,
             cost,
-            num_blocks=mb.num_blocks,
+            num_blocks=blocks_per_scheduler,
             block_size=mb.block_size,
             max_num_seqs=engine.max_num_seqs,
             max_num_batched_tokens=engine.max_num_batched_tokens,
@@ -359,13 +436,13 @@ def plan(
             or f"only {targets.attainment(alone.requests):.0%} of requests attain them"
         )
         raise PlanError(
-            f"no GPU count meets the targets: one request alone on an idle {acc.name} (tp={tp}) already misses "
+            f"no GPU count meets the targets: one request alone on an idle {acc.name} ({layout}) already misses "
             f"them ({missed})"
         )
     searched: list[tuple[int, float, bool]] = []
     if dp is None:
         chosen = None
-        for replicas in range(1, max_gpus // tp + 1):
+        for replicas in range(1, max_gpus // (tp * pp) + 1):
             result = run(replicas)
             attained = targets.attainment(result.requests)
             searched.append((replicas, attained, targets.met(result.requests)))
@@ -381,7 +458,7 @@ def plan(
     result = run(dp)
     met = targets.met(result.requests)
     goodput = _goodput(
-        run, dp, targets, workload, workload.rate if met and workload.rate is not None else None
+        run, dp, targets, workload, workload.rate if met and workload.rate is not None else None, pp
     )
     offered = (
         f"{workload.rate:g} req/s" if workload.rate is not None else f"concurrency {workload.concurrency}"
@@ -403,6 +480,8 @@ def plan(
         binding=_binding(result, cost),
         offered=offered,
         searched=searched,
+        pp=pp,
+        link_ms=cost.link_seconds([1] * _mean_batch(result)) * 1e3,
     )
 
 
@@ -425,6 +504,7 @@ def _goodput(
     targets: Targets,
     workload: Workload,
     met_at: float | None,
+    pp: int = 1,
 ) -> float:
     """DistServe's goodput over `dp` replicas: the highest request rate at which the targets hold, by bisection
     over open-loop Poisson arrivals of the workload's finite trace. The search runs from the offered rate (when
@@ -432,7 +512,7 @@ def _goodput(
     On a finite trace a rate above what the GPUs sustain can still pass while the queue has not yet grown:
     more `num_requests` make the figure stricter."""
     burst = run(dp, math.inf).summary()
-    hi = 2 * max(burst["request_throughput"] * dp, met_at or 0.0)
+    hi = 2 * max(burst["request_throughput"] * dp * pp, met_at or 0.0)
 
     def ok(rate: float) -> bool:
         return targets.met(run(dp, rate).requests)
