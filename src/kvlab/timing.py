@@ -15,7 +15,7 @@ Chapters: *Prefill and decode* (book/03_prefill_decode), *Why decode is bandwidt
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -166,58 +166,35 @@ def compare_decode(
     *,
     rounds: int = 1,
     realism: Realism | None = None,
-    remeasure: Callable[[], Accelerator | Measurement] | None = None,
 ) -> list[DecodeComparison]:
     """Time decode steps of `model` at every (batch, context) pair and predict each with `kvlab.roofline`.
 
-    Pass `hw = kvlab.hardware.measure(device)` measured on the same device (and thread count) as the model.
-    With `realism` (e.g. `measure_step_overhead(model, hw).realism()`), each prediction is
+    Pass `hw = kvlab.hardware.measure(device)` measured on the same device (and thread count) as the model,
+    right before. With `realism` (e.g. `measure_step_overhead(model, hw).realism()`), each prediction is
     `kvlab.roofline.realistic_time`: with a measured `hw`, max(FLOPs / peak, bytes / bandwidth) plus the
     per-step overhead. `rounds` > 1 spreads each point's `repeat` steps over that many passes through all the
     points (every cache stays allocated between passes), so a burst of load from other processes slows one
     round of every point instead of every step of one point; a point's best is then the fastest of
     `rounds × repeat` steps taken at different times.
-
-    With `remeasure` (e.g. `lambda: kvlab.hardware.measure(device, repeat=3)`), the ceilings are measured again
-    right before every round and that round's steps are predicted from them; each point keeps the round whose
-    fastest step came closest to its prediction (lowest measured / predicted). Load from other processes slows
-    a round's copy and its steps alike, so each round compares like with like, where one measurement taken in a
-    quiet moment would be compared with steps taken later under load (or the reverse).
     """
     check_count("rounds", rounds)
     check_count("repeat", repeat)
     check_count("warmup", warmup, 0)
     benches = [_DecodeBench(model, b, c, seed=0) for b in batch_sizes for c in context_lens]
-
     for bench in benches:
         for _ in range(warmup):
             bench.step()
-
-    def compare(
-        bench: _DecodeBench, on: Accelerator | Measurement, seconds: Sequence[float]
-    ) -> DecodeComparison:
-        step = decode_step(model.config, on, bench.batch_size, bench.context_len, dtype=model.dtype)
-        predicted_s = None if realism is None else realistic_time(step, on, model.dtype, realism)
-        return DecodeComparison(
-            StepTiming(bench.batch_size, bench.context_len, tuple(seconds)), step, predicted_s
-        )
-
     pooled: list[list[float]] = [[] for _ in benches]
-    kept: list[DecodeComparison] = []
-    for r in range(rounds):
-        ceilings = hw if remeasure is None else remeasure()
-        for i, bench in enumerate(benches):
-            seconds = [bench.step() for _ in range(repeat)]
-            pooled[i].extend(seconds)
-            if remeasure is not None:
-                row = compare(bench, ceilings, seconds)
-                if r == 0:
-                    kept.append(row)
-                elif row.best_ratio < kept[i].best_ratio:
-                    kept[i] = row
-    if remeasure is not None:
-        return kept
-    return [compare(bench, hw, seconds) for bench, seconds in zip(benches, pooled, strict=True)]
+    for _ in range(rounds):
+        for bench, seconds in zip(benches, pooled, strict=True):
+            seconds.extend(bench.step() for _ in range(repeat))
+    rows = []
+    for bench, seconds in zip(benches, pooled, strict=True):
+        step = decode_step(model.config, hw, bench.batch_size, bench.context_len, dtype=model.dtype)
+        predicted_s = None if realism is None else realistic_time(step, hw, model.dtype, realism)
+        timing = StepTiming(bench.batch_size, bench.context_len, tuple(seconds))
+        rows.append(DecodeComparison(timing, step, predicted_s))
+    return rows
 
 
 # --- The fixed per-step overhead, measured ------------------------------------------------------------------------
