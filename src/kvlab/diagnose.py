@@ -23,8 +23,9 @@ vLLM engine arguments, https://docs.vllm.ai/en/latest/configuration/engine_args.
 `--block-size`, `--max-num-batched-tokens`, `--tensor-parallel-size`, `--pipeline-parallel-size`);
 SGLang server arguments, https://docs.sglang.io/advanced_features/server_arguments.html
 (`--context-length`, `--max-running-requests`, `--mem-fraction-static`, `--kv-cache-dtype`, the radix cache on
-unless `--disable-radix-cache`, `--schedule-policy lpm`, `--page-size`, `--chunked-prefill-size`, `--tp-size`,
-`--dp-size`).
+unless `--disable-radix-cache`, `--schedule-policy lpm` (the default is `fcfs`), `--page-size` (default 1),
+`--chunked-prefill-size`, `--tp-size`, `--pp-size`, `--dp-size`); checked against that page's source,
+docs/advanced_features/server_arguments.md in sgl-project/sglang.
 """
 
 from __future__ import annotations
@@ -428,7 +429,7 @@ def diagnose(w: Workload) -> Diagnosis:
             ),
             ("09_prefix_caching/index",),
             "--enable-prefix-caching",
-            "radix cache (on unless --disable-radix-cache) with --schedule-policy lpm",
+            "radix cache (on unless --disable-radix-cache) with --schedule-policy lpm (default fcfs)",
             {"share": share, "shared_tokens": shared},
         )
     )
@@ -506,7 +507,7 @@ def diagnose(w: Workload) -> Diagnosis:
             ),
             ("06_long_context/index", "12_beyond_hbm/index"),
             "--max-model-len to what you serve; KV offload beyond HBM (chapter 12)",
-            "--context-length; hierarchical cache beyond HBM",
+            "--context-length; --enable-hierarchical-cache beyond HBM",
             {"longest_share": longest_share, "longest": longest},
         )
     )
@@ -532,7 +533,7 @@ def diagnose(w: Workload) -> Diagnosis:
             ),
             ("13_many_gpus/index",),
             f"--tensor-parallel-size {tp_fit or w.tp} (--pipeline-parallel-size across nodes)",
-            f"--tp-size {tp_fit or w.tp} (--dp-size for replicas)",
+            f"--tp-size {tp_fit or w.tp} (--pp-size for stages, --dp-size for replicas)",
             {"tp_fit": float(tp_fit or 0)},
         )
     )
