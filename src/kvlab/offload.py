@@ -28,9 +28,12 @@ leaves the FLOPs alone, so it pushes a model towards reload; MHA models sit clos
 
 from __future__ import annotations
 
+import ctypes
+import errno as errno_module
 import math
 import mmap
 import os
+import platform
 import shutil
 import tempfile
 import time
@@ -300,6 +303,94 @@ def _aligned_buffer(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, max(ALIGN, -(-nbytes // ALIGN) * ALIGN))
 
 
+class _IOCB(ctypes.Structure):
+    """Linux's `struct iocb` (linux/aio_abi.h, little-endian field order)."""
+
+    _fields_ = [
+        ("data", ctypes.c_uint64),
+        ("key", ctypes.c_uint32),
+        ("rw_flags", ctypes.c_int32),
+        ("opcode", ctypes.c_uint16),
+        ("reqprio", ctypes.c_int16),
+        ("fildes", ctypes.c_uint32),
+        ("buf", ctypes.c_uint64),
+        ("nbytes", ctypes.c_uint64),
+        ("offset", ctypes.c_int64),
+        ("reserved2", ctypes.c_uint64),
+        ("flags", ctypes.c_uint32),
+        ("resfd", ctypes.c_uint32),
+    ]
+
+
+class _IOEvent(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_uint64),
+        ("obj", ctypes.c_uint64),
+        ("res", ctypes.c_int64),
+        ("res2", ctypes.c_int64),
+    ]
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("sec", ctypes.c_long), ("nsec", ctypes.c_long)]
+
+
+_AIO_SYSCALLS = {"x86_64": (206, 207, 208, 209), "aarch64": (0, 1, 4, 2)}  # setup, destroy, getevents, submit
+
+
+class PolledReader:
+    """Reads with Linux native AIO, completion polled rather than waited for, where the kernel offers it.
+
+    A synchronous read puts the thread to sleep until the drive answers; on a loaded machine the thread then
+    waits for a CPU, often a whole scheduler time slice (milliseconds), which swamps a read of a few MiB and
+    varies with the load. Submitting the read and spinning on its completion keeps the thread running, so a read
+    costs the drive's time, as for engines that poll for completions (SPDK, io_uring's polled mode). Falls back
+    to a plain `preadv` where native AIO is unavailable (`polled` is then False).
+    """
+
+    def __init__(self) -> None:
+        self._ctx = ctypes.c_ulong(0)
+        calls = _AIO_SYSCALLS.get(platform.machine())
+        self._calls = calls or (-1, -1, -1, -1)
+        self._libc: Any = None
+        self.polled = False
+        if calls is not None and os.name == "posix":
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.syscall.restype = ctypes.c_long
+                if libc.syscall(self._calls[0], 1, ctypes.byref(self._ctx)) == 0:
+                    self._libc, self.polled = libc, True
+            except (OSError, AttributeError):
+                pass
+
+    def read(self, fd: int, view: memoryview, offset: int) -> int:
+        """Read len(view) bytes at `offset` into `view` (a writable, aligned buffer); the bytes read."""
+        if not self.polled:
+            return os.preadv(fd, [view], offset)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        iocb = _IOCB(opcode=0, fildes=fd, buf=address, nbytes=len(view), offset=offset)  # IOCB_CMD_PREAD
+        batch = (ctypes.POINTER(_IOCB) * 1)(ctypes.pointer(iocb))
+        if self._libc.syscall(self._calls[3], self._ctx, 1, batch) != 1:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"io_submit failed: {os.strerror(errno)}")
+        event, now = _IOEvent(), _Timespec(0, 0)
+        while True:
+            got = self._libc.syscall(self._calls[2], self._ctx, 0, 1, ctypes.byref(event), ctypes.byref(now))
+            if got == 1:
+                break
+            if got < 0 and ctypes.get_errno() != errno_module.EINTR:
+                errno = ctypes.get_errno()
+                raise OSError(errno, f"io_getevents failed: {os.strerror(errno)}")
+        if event.res < 0:
+            raise OSError(-event.res, os.strerror(-event.res))
+        return int(event.res)
+
+    def close(self) -> None:
+        if self.polled:
+            self._libc.syscall(self._calls[1], self._ctx)
+            self.polled = False
+
+
 def _direct_flag() -> int:
     return getattr(os, "O_DIRECT", 0)
 
@@ -424,11 +515,12 @@ def disk_read(
     )
 
 
-def _busy(seconds: float) -> None:
-    """Keep this thread computing for `seconds` (small matmuls), as a decode step does between its reads."""
+def _busy(seconds: float, clock: Callable[[], float] = time.perf_counter) -> None:
+    """Keep this thread computing for `seconds` of `clock` (small matmuls), as a decode step does between its
+    reads."""
     a = torch.ones(64, 64)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    end = clock() + seconds
+    while clock() < end:
         a @ a
 
 
@@ -527,6 +619,14 @@ class _TierLayer(DynamicLayer):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support beam search")
 
+    def reread(self, clock: Callable[[], float] = time.perf_counter) -> tuple[int, float]:
+        """Bring this layer's K/V back from its tier exactly as `update` does, without changing the cache.
+
+        Returns (bytes transferred, seconds): the transfer alone, with the same request size, buffer and file
+        offsets as the decode loop's, so that timing it between decode steps measures the tier under the loop's
+        own conditions."""
+        raise NotImplementedError
+
 
 class HostLayer(_TierLayer):
     """K/V in pinned host memory, token-major; every update copies the new tokens out and the whole layer back in.
@@ -568,6 +668,17 @@ class HostLayer(_TierLayer):
         self.bytes_streamed += kv.nbytes
         return kv[0], kv[1]
 
+    def reread(self, clock: Callable[[], float] = time.perf_counter) -> tuple[int, float]:
+        if self._host is None or not self.length:
+            return 0, 0.0
+        sync = _cuda_sync(self.device) if self.device.type == "cuda" else _nothing
+        sync()
+        start = clock()
+        copy = self._host[: self.length].to(self.device)
+        sync()
+        seconds = clock() - start
+        return copy.nbytes, seconds
+
 
 class DiskLayer(_TierLayer):
     """K/V in a file on local disk, in whole aligned blocks written and read with O_DIRECT.
@@ -592,6 +703,7 @@ class DiskLayer(_TierLayer):
         self._tail: torch.Tensor | None = None
         self._read_buf: mmap.mmap | None = None
         self._fd = -1
+        self._reader: PolledReader | None = None
         self.direct = False
         self.bytes_read_from_disk = 0
 
@@ -601,6 +713,7 @@ class DiskLayer(_TierLayer):
         lcm = record * ALIGN // math.gcd(record, ALIGN)  # the smallest whole number of tokens that is aligned
         self.block_tokens = (lcm // record) * max(1, -(-self._min_block_bytes // lcm))
         self._fd, self.direct = _open_direct(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        self._reader = PolledReader()
         batch, heads, head_dim = self._shape
         self._tail = torch.empty(0, 2, batch, heads, head_dim, dtype=self._dtype)
 
@@ -637,7 +750,7 @@ class DiskLayer(_TierLayer):
             self._read_buf = _aligned_buffer(2 * nbytes)
         if disk_bytes:
             view = memoryview(self._read_buf)[:disk_bytes]
-            got = os.preadv(self._fd, [view], 0)
+            got = self._read(view)
             view.release()
             if got != disk_bytes:
                 raise OSError(f"read {got} of {disk_bytes} bytes from {self.path}")
@@ -665,10 +778,32 @@ class DiskLayer(_TierLayer):
         self.bytes_streamed += kv.nbytes
         return kv[0], kv[1]
 
+    def _read(self, view: memoryview) -> int:
+        if self._reader is None:
+            return os.preadv(self._fd, [view], 0)
+        return self._reader.read(self._fd, view, 0)
+
+    def reread(self, clock: Callable[[], float] = time.perf_counter) -> tuple[int, float]:
+        """The layer fetched again as `update` fetches it: the full blocks read from disk into the loop's own read
+        buffer, the RAM block appended, the records reordered for attention (the partial block is in RAM)."""
+        if self._read_buf is None or not self.length:
+            return 0, 0.0
+        counted = self.bytes_read_from_disk  # the decode loop's count; a repeated fetch is not part of it
+        start = clock()
+        records = self._read_records()
+        kv = records.to(self.device).permute(1, 2, 3, 0, 4).contiguous()
+        seconds = clock() - start
+        del records
+        self.bytes_read_from_disk = counted
+        return kv.nbytes, seconds
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
         if self._read_buf is not None:
             self._read_buf.close()
             self._read_buf = None
@@ -760,6 +895,27 @@ class OffloadedCache(Cache):
         """Bytes brought back from the tier so far, all updates of all offloaded layers."""
         return sum(layer.bytes_streamed for layer in self.layers if isinstance(layer, _TierLayer))
 
+    def reread(
+        self, compute_s: float = 0.0, clock: Callable[[], float] = time.perf_counter
+    ) -> tuple[int, float]:
+        """Every offloaded layer's K/V transferred again as the last decode step did: (bytes, seconds).
+
+        Only the transfers are timed. Before each, `compute_s` seconds of computing (on the CPU) stand in for the
+        layer's share of the decode step: a thread that has just been computing and then waits on a disk read
+        is scheduled back later than one reading back to back, and the loop's reads always follow compute.
+        """
+        if isinstance(compute_s, bool) or not isinstance(compute_s, (int, float)) or compute_s < 0:
+            raise ValueError(f"compute_s must be a non-negative number of seconds, got {compute_s!r}")
+        total, seconds = 0, 0.0
+        for layer in self.layers:
+            if isinstance(layer, _TierLayer):
+                if compute_s:
+                    _busy(compute_s, clock)
+                nbytes, s = layer.reread(clock)
+                total += nbytes
+                seconds += s
+        return total, seconds
+
 
 def _check_layers(layers: Iterable[int], count: int) -> list[int]:
     out = []
@@ -786,6 +942,19 @@ class DecodeRun:
         return median(self.step_s)
 
 
+def step_clock(device: torch.device) -> Callable[[], float]:
+    """The clock decode steps are timed with: on a CPU this thread's CPU time (`time.thread_time`), on a GPU the
+    wall clock.
+
+    On a shared CPU machine a step's wall time includes every moment another process held the core, which varies
+    from step to step with the load; the thread's CPU time counts only the moments it ran. Disk reads are polled
+    (`PolledReader`), so the thread runs, and is charged, while the drive works. Run torch on one thread
+    (`torch.set_num_threads(1)`) so that the calling thread does all the work. On a GPU the host thread waits
+    on the device, and the wall clock is the measure.
+    """
+    return time.perf_counter if device.type == "cuda" else time.thread_time
+
+
 @torch.inference_mode()
 def decode(model: Any, input_ids: torch.Tensor, new_tokens: int, cache: Cache | None = None) -> DecodeRun:
     """Greedy decoding of `new_tokens` after a prefill of `input_ids`, one timed step at a time.
@@ -798,39 +967,50 @@ def decode(model: Any, input_ids: torch.Tensor, new_tokens: int, cache: Cache | 
 
 @torch.inference_mode()
 def decode_lockstep(
-    model: Any, input_ids: torch.Tensor, new_tokens: int, caches: list[Cache | None]
+    model: Any,
+    input_ids: torch.Tensor,
+    new_tokens: int,
+    caches: list[Cache | None],
+    after_step: Callable[[list[float]], None] | None = None,
+    clock: Callable[[], float] | None = None,
 ) -> list[DecodeRun]:
     """Greedy decoding of the same prompt with each of `caches`, their steps interleaved.
 
     Step i of every cache runs before step i + 1 of any, so a slow spell of the machine (another process, a
     frequency change) lands on all of them alike and their step times stay comparable. `None` stands for
-    `DynamicCache(config=model.config)`. Each cache decodes from its own outputs.
+    `DynamicCache(config=model.config)`. Each cache decodes from its own outputs. `after_step`, if given, runs
+    after every round of steps, untimed, with that round's step seconds (one per cache).
+
+    `clock` times the steps; by default `step_clock(model.device)`.
     """
     _check_size("new_tokens", new_tokens, 1)
     if not caches:
         raise ValueError("decode_lockstep needs at least one cache")
     device = model.device
     sync = _cuda_sync(device) if device.type == "cuda" else _nothing
+    clock = clock or step_clock(device)
     ids = input_ids.to(device)
     states: list[dict[str, Any]] = []
     for cache in caches:
         cache = DynamicCache(config=model.config) if cache is None else cache
-        start = time.perf_counter()
+        start = clock()
         out = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
         sync()
         last = out.logits[:, -1]
         states.append(
-            dict(cache=cache, prefill=time.perf_counter() - start, logits=[last.float().cpu()],
+            dict(cache=cache, prefill=clock() - start, logits=[last.float().cpu()],
                  tokens=[last.argmax(-1, keepdim=True)], steps=[])
         )  # fmt: skip
     for _ in range(new_tokens - 1):
         for state in states:
-            start = time.perf_counter()
+            start = clock()
             out = model(state["tokens"][-1], cache=state["cache"], use_cache=True)
             sync()
-            state["steps"].append(time.perf_counter() - start)
+            state["steps"].append(clock() - start)
             state["logits"].append(out.logits[:, -1].float().cpu())
             state["tokens"].append(out.logits[:, -1].argmax(-1, keepdim=True))
+        if after_step is not None:
+            after_step([state["steps"][-1] for state in states])
     return [
         DecodeRun(
             torch.cat(state["tokens"], dim=1).tolist(),
@@ -918,6 +1098,191 @@ def offload_cost(
     if tier == "host" and link_latency_s:
         terms["copy latency"] = 2 * offloaded_layers * link_latency_s
     return OffloadCost(total, disk_bytes, terms)
+
+
+def _median_se(values: list[float]) -> float:
+    """Standard error of the median of `values`, from their interquartile range (robust to the odd slow step):
+    sigma ~ IQR / 1.349, and the median's error is sqrt(pi / 2) sigma / sqrt(n) for a normal sample."""
+    if len(values) < 2:
+        return 0.0
+    q1, q3 = _quartiles(values)
+    return math.sqrt(math.pi / 2) * (q3 - q1) / 1.349 / math.sqrt(len(values))
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    ordered = sorted(values)
+    n = len(ordered) - 1
+
+    def at(q: float) -> float:
+        pos = q * n
+        lo = math.floor(pos)
+        hi = min(lo + 1, n)
+        return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+    return at(0.25), at(0.75)
+
+
+@dataclass
+class OffloadTiming:
+    """One context's offload measurement: the in-memory and offloaded loops in lockstep, and after every step the
+    offloaded cache's transfers repeated alone (`OffloadedCache.reread`), under the same load."""
+
+    context: int
+    memory: DecodeRun  # the compute-only step: every layer in device memory
+    offloaded: DecodeRun
+    transfer_bytes: list[int]  # bytes each repeated transfer moved
+    transfer_s: list[float]  # seconds each took
+    disk_bytes: int  # bytes of the offloaded layers on disk at the last step (tier "disk"; else 0)
+    others: list[DecodeRun] = field(default_factory=list)  # further caches decoded in lockstep
+
+    @property
+    def bandwidth(self) -> TierBandwidth:
+        """The tier as the loop uses it: the loop's transfers, with its request sizes, between its steps."""
+        samples = tuple(
+            b / s for b, s in zip(self.transfer_bytes, self.transfer_s, strict=True) if b and s > 0
+        )
+        if not samples:
+            raise ValueError(
+                f"context {self.context}: nothing was transferred (no full block on the tier yet)"
+            )
+        return TierBandwidth(
+            "tier, as the loop reads it",
+            samples,
+            max(self.transfer_bytes),
+            "the offloaded layers re-read between decode steps, one request per layer",
+        )
+
+
+def time_offload(
+    model: Any,
+    input_ids: torch.Tensor,
+    new_tokens: int,
+    cache: OffloadedCache,
+    others: Iterable[Cache | None] = (),
+    compute_s: float | None = None,
+) -> OffloadTiming:
+    """Decode `input_ids` with the in-memory cache, `cache` and `others` in lockstep, and after each step repeat
+    `cache`'s transfers alone, timed (`OffloadedCache.reread`).
+
+    `compute_s` is the computing done before each repeated transfer; by default, on a CPU, the in-memory step's
+    median so far divided by the layer count (each offloaded layer's read follows its share of the step), on a
+    GPU none (the host thread does not compute there; it waits on the device).
+    """
+    device = model.device
+    clock = step_clock(device)
+    layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    memory_steps: list[float] = []
+    moved: list[int] = []
+    seconds: list[float] = []
+
+    def repeat_transfers(step_s: list[float]) -> None:
+        memory_steps.append(step_s[0])
+        burst = compute_s
+        if burst is None:
+            burst = 0.0 if device.type == "cuda" else median(memory_steps) / layers
+        nbytes, s = cache.reread(burst, clock)
+        moved.append(nbytes)
+        seconds.append(s)
+
+    runs = decode_lockstep(
+        model, input_ids, new_tokens, [None, cache, *others], after_step=repeat_transfers, clock=clock
+    )
+    disk_bytes = sum(
+        layer.disk_tokens * _record_bytes(*layer._shape, layer._dtype)
+        for layer in cache.layers
+        if isinstance(layer, DiskLayer)
+    )
+    return OffloadTiming(input_ids.shape[1], runs[0], runs[1], moved, seconds, disk_bytes, runs[2:])
+
+
+@dataclass(frozen=True)
+class OffloadFit:
+    """Predicted against measured median offloaded step at one context, with the band the measurements' spread
+    allows. No overlap: the loop transfers and computes one after the other, so predicted = compute + transfer."""
+
+    context: int
+    compute_s: float  # median in-memory step: the compute-only step, measured interleaved
+    cost: OffloadCost  # the transfer term, from the bandwidth of the loop's own transfers repeated between steps
+    measured_s: float  # median offloaded step
+    low_s: float
+    high_s: float
+    overlap: bool = False
+
+    @property
+    def transfer_s(self) -> float:
+        return self.cost.seconds
+
+    @property
+    def predicted_s(self) -> float:
+        """compute + transfer with no overlap; max(compute, transfer) if the loop overlapped them perfectly."""
+        if self.overlap:
+            return max(self.compute_s, self.transfer_s)
+        return self.compute_s + self.transfer_s
+
+    @property
+    def ratio(self) -> float:
+        return self.measured_s / self.predicted_s
+
+    @property
+    def band(self) -> tuple[float, float]:
+        """The band's edges relative to the prediction: (low / predicted - 1, high / predicted - 1)."""
+        return self.low_s / self.predicted_s - 1, self.high_s / self.predicted_s - 1
+
+    @property
+    def transfer_share(self) -> float:
+        """The transfer term's share of the predicted step."""
+        return self.transfer_s / self.predicted_s
+
+    @property
+    def holds(self) -> bool:
+        return self.low_s <= self.measured_s <= self.high_s
+
+
+def fit_offload(
+    timing: OffloadTiming,
+    config: PretrainedConfig,
+    offloaded_layers: int,
+    tier: str,
+    batch_size: int = 1,
+    dtype: DType = "fp32",
+    block_tokens: int | None = None,
+    z: float = 2.0,
+    floor: float = 0.03,
+) -> OffloadFit:
+    """The cost model against one `time_offload` measurement.
+
+    The prediction is the median in-memory step plus `offload_cost` at the loop's middle context over the median
+    bandwidth of the repeated transfers (they use the loop's request sizes, so per-request latency is in that
+    figure). No overlap is modelled, because the loop has none.
+
+    The band comes from the spread of the repeats. Each step gives one prediction, its in-memory step plus the
+    transfer repeated right after it (same load); the band runs from the first to the third quartile of these
+    per-step predictions, widened on each side by `z` standard errors of the measured median (from its
+    interquartile range), and is at least `floor` of the prediction on each side: the model leaves out appending the
+    new token to the tier and the difference between the offloaded layer's reordering copy and the in-memory
+    layer's concatenation, each under a few per cent of a step.
+    """
+    if not z > 0:
+        raise ValueError(f"z must be positive, got {z!r}")
+    if not 0 <= floor < 1:
+        raise ValueError(f"floor must be a fraction in [0, 1), got {floor!r}")
+    steps = len(timing.offloaded.step_s)
+    if steps < 4:
+        raise ValueError(f"fit_offload needs at least 4 decode steps, got {steps}")
+    context = timing.context + steps // 2 + 1  # the history grows by one token per step: the middle step's
+    hop = "disk" if tier == "disk" else "h2d"
+    cost = offload_cost(
+        config, context, offloaded_layers, tier, {hop: timing.bandwidth.median_bytes_per_s},
+        batch_size=batch_size, dtype=dtype, block_tokens=block_tokens,
+    )  # fmt: skip
+    compute = timing.memory.median_step_s
+    predicted = compute + cost.seconds
+    per_step = [m + t for m, t in zip(timing.memory.step_s, timing.transfer_s, strict=True)]
+    q1, q3 = _quartiles(per_step)
+    error = z * _median_se(timing.offloaded.step_s)
+    low = min(q1 - error, predicted * (1 - floor))
+    high = max(q3 + error, predicted * (1 + floor))
+    return OffloadFit(timing.context, compute, cost, timing.offloaded.median_step_s, low, high)
 
 
 # ---------------------------------------------------------------------------------------------------------------
