@@ -98,3 +98,22 @@ def test_cached_and_uncached_decode_agree():
     assert cached.tokens == reference
     cost = decode.step_cost(model, 16, repeat=1)
     assert cost.uncached_flops == 17 * cost.cached_flops
+
+
+def test_decode_top_ids_and_memory_plan(monkeypatch):
+    model = models.tiny_model("llama", layers=2, hidden=64, heads=4, kv_heads=2, attn_implementation="eager")
+    result = decode.greedy_decode(model, torch.randint(0, 256, (2, 6)), 4)
+    top = result.top_token_ids(3)
+    assert [[ids[0] for ids in row] for row in top] == result.tokens and all(
+        len(i) == 3 for r in top for i in r
+    )
+    # 2 copies × 4 heads × 16385² × 4 B: about 8 GiB of eager scores, refused before anything runs
+    assert decode.eager_scores_bytes(model, 16385) == 2 * 4 * 16385**2 * 4
+    monkeypatch.setattr(decode, "free_memory_bytes", lambda device: 8 * 2**30)
+    with pytest.raises(MemoryError, match=r"history 16384 needs about 8 GiB .* 4 heads × 16385²"):
+        decode.step_cost(model, 16384)
+    decode.check_uncached_step_fits(model, 4096)  # 0.5 GiB: fits
+    sdpa = models.tiny_model("llama", layers=2, hidden=64, heads=4, kv_heads=2, attn_implementation="sdpa")
+    decode.check_uncached_step_fits(sdpa, 16384)  # fused attention holds no score matrix
+    costs = [decode.StepCost(L, 1, L + 1, 1e-3, t) for L, t in ((16, 2e-3), (512, 9e-3))]
+    assert decode.work_dominated(costs, 2e-3) == costs[1:]

@@ -18,6 +18,7 @@ from transformers import DynamicCache, PreTrainedModel
 from kvlab.agreement import top_k_ids
 from kvlab.measure import cache_tensor_bytes, time_call
 from kvlab.timing import measure_decode_step, random_ids
+from kvlab.units import format_bytes
 
 
 @dataclass
@@ -63,6 +64,51 @@ def greedy_decode(
     return DecodeResult(generated.tolist(), torch.stack(steps_logits, dim=1).cpu(), cache, cache_bytes)
 
 
+EAGER_SCORE_COPIES = (
+    2  # eager attention holds a layer's scores and their softmax at once (peak ≈ 2.2× on CPU)
+)
+MEMORY_HEADROOM = (
+    0.8  # share of the free memory a planned forward may take; the rest is activations and logits
+)
+
+
+def eager_scores_bytes(model: PreTrainedModel, tokens: int, batch_size: int = 1) -> int:
+    """Bytes eager attention holds at once in one layer of a `tokens`-token forward without a cache: the
+    (batch, heads, tokens, tokens) scores and their softmax, fp32 (transformers' eager softmax runs in fp32)."""
+    heads = int(model.config.get_text_config().num_attention_heads)
+    return EAGER_SCORE_COPIES * batch_size * heads * tokens * tokens * 4
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Free bytes on `device`: the CUDA driver's figure, or Linux's MemAvailable on CPU (None if unknown)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def check_uncached_step_fits(model: PreTrainedModel, history: int, batch_size: int = 1) -> None:
+    """Raise a clear MemoryError, before running anything, when recomputing `history + 1` positions with eager
+    attention would not fit the device's free memory (its score matrices grow with the square of the history)."""
+    if getattr(model.config, "_attn_implementation", None) != "eager":
+        return  # fused attention (sdpa, flash) never holds the whole score matrix
+    device = next(model.parameters()).device
+    free = free_memory_bytes(device)
+    need = eager_scores_bytes(model, history + 1, batch_size)
+    if free is not None and need > MEMORY_HEADROOM * free:
+        heads = model.config.get_text_config().num_attention_heads
+        raise MemoryError(
+            f"an uncached step at history {history} needs about {format_bytes(need)} of eager attention scores "
+            f"({EAGER_SCORE_COPIES} copies × batch {batch_size} × {heads} heads × {history + 1}² × 4 B) and "
+            f"{device} has {format_bytes(free)} free: lower the history (memory grows with its square) or "
+            f"the heads, or build the model with attn_implementation='sdpa'"
+        )
+
+
 @dataclass(frozen=True)
 class StepCost:
     history: int  # tokens already in the context before this step
@@ -79,6 +125,7 @@ def step_cost(
     """Cost of producing token `history + 1`: from a cache of `history` tokens, or from scratch."""
     if history < 1:
         raise ValueError(f"history must be >= 1, got {history}")
+    check_uncached_step_fits(model, history, batch_size)
     # The same seeded ids as the timed cached step below, so FLOPs and time describe one computation.
     ids = random_ids(model, batch_size, history + 1, seed)
     device = ids.device
@@ -96,3 +143,15 @@ def step_cost(
     cached = measure_decode_step(model, batch_size, history + 1, repeat=repeat, warmup=1, seed=seed).best_s
     uncached = min(time_call(lambda: model(ids, use_cache=False), device, repeat=repeat, warmup=1))
     return StepCost(history, flops[0], flops[1], cached, uncached)
+
+
+WORK_DOMINATES = 4  # a step taking this many times the fixed per-step overhead is at least 3/4 work
+
+
+def work_dominated(costs: list[StepCost], overhead_s: float) -> list[StepCost]:
+    """The measured steps whose uncached (recomputing) time is at least `WORK_DOMINATES` × the device's fixed
+    per-step overhead (`kvlab.timing.measure_step_overhead`): where recomputation's work, not launches and
+    dispatch, sets the time, so the cache's saving can show in seconds."""
+    if overhead_s < 0:
+        raise ValueError(f"overhead_s must be >= 0, got {overhead_s}")
+    return [c for c in costs if c.uncached_seconds >= WORK_DOMINATES * overhead_s]
