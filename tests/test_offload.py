@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 
 import pytest
@@ -250,6 +252,78 @@ def test_offload_cost_rejects_bad_input(model, kwargs, message):
     args = dict(context=10, offloaded_layers=1, tier="disk", bandwidths={"disk": 1e9}) | kwargs
     with pytest.raises(ValueError, match=message):
         offload.offload_cost(model.config, **args)
+
+
+def test_polled_reader_reads_what_preadv_reads(tmp_path):
+    path = tmp_path / "blob"
+    data = os.urandom(3 * offload.ALIGN)
+    path.write_bytes(data)
+    fd, direct = offload._open_direct(path, os.O_RDONLY)
+    buf = offload._aligned_buffer(2 * offload.ALIGN)
+    reader = offload.PolledReader()
+    try:
+        view = memoryview(buf)[: 2 * offload.ALIGN]
+        assert reader.read(fd, view, offload.ALIGN) == 2 * offload.ALIGN
+        view.release()
+        assert bytes(buf[: 2 * offload.ALIGN]) == data[offload.ALIGN :]
+    finally:
+        reader.close()
+        os.close(fd)
+        buf.close()
+    assert not reader.polled  # closed: later reads fall back to preadv
+
+
+def test_reread_repeats_the_transfer_without_changing_the_cache(model, tmp_path):
+    ids = _ids(40)
+    with offload.OffloadedCache(
+        model.config, [1, 2], tier="disk", directory=tmp_path, block_bytes=4096
+    ) as cache:
+        assert cache.reread() == (0, 0.0)  # nothing held yet
+        ref, run = offload.decode_lockstep(model, ids, 6, [None, cache])
+        read, streamed = cache.layers[1].bytes_read_from_disk, cache.bytes_streamed()
+        nbytes, seconds = cache.reread(compute_s=1e-4)
+        # the whole K/V of both layers, as `update` returns it (the partial block comes from RAM)
+        assert nbytes == 2 * sizing.kv_cache_bytes(model.config, 45) // 3 and seconds > 0
+        assert cache.layers[1].bytes_read_from_disk == read and cache.bytes_streamed() == streamed
+        assert cache.get_seq_length() == 45
+        with pytest.raises(ValueError, match="compute_s"):
+            cache.reread(compute_s=-1.0)
+
+
+def test_time_offload_and_fit(model, tmp_path):
+    ids = _ids(200)
+    with offload.OffloadedCache(
+        model.config, [1, 2], tier="disk", directory=tmp_path, block_bytes=4096
+    ) as cache:
+        timing = offload.time_offload(model, ids, 9, cache, others=[None])
+        block_tokens = cache.layers[1].block_tokens
+    assert timing.offloaded.tokens == timing.memory.tokens == timing.others[0].tokens
+    assert len(timing.transfer_s) == len(timing.transfer_bytes) == len(timing.offloaded.step_s) == 8
+    assert all(b > 0 for b in timing.transfer_bytes) and timing.bandwidth.median_bytes_per_s > 0
+    fit = offload.fit_offload(timing, model.config, 2, "disk", block_tokens=block_tokens)
+    assert fit.predicted_s == pytest.approx(fit.compute_s + fit.transfer_s)
+    assert fit.compute_s == timing.memory.median_step_s and fit.measured_s == timing.offloaded.median_step_s
+    assert fit.low_s <= fit.predicted_s * 0.97 and fit.high_s >= fit.predicted_s * 1.03  # the 3 % floor
+    assert fit.band[0] < 0 < fit.band[1] and 0 < fit.transfer_share < 1
+    assert fit.holds == (fit.low_s <= fit.measured_s <= fit.high_s)
+    # the transfer term is the bytes at the middle step over the loop's median bandwidth
+    middle = offload.offload_cost(model.config, 200 + 8 // 2 + 1, 2, "disk",
+                                  {"disk": timing.bandwidth.median_bytes_per_s}, block_tokens=block_tokens)  # fmt: skip
+    assert fit.transfer_s == pytest.approx(middle.seconds)
+    overlapped = dataclasses.replace(fit, overlap=True)
+    assert overlapped.predicted_s == max(fit.compute_s, fit.transfer_s)
+    with pytest.raises(ValueError, match="z must be positive"):
+        offload.fit_offload(timing, model.config, 2, "disk", z=0)
+    with pytest.raises(ValueError, match="floor"):
+        offload.fit_offload(timing, model.config, 2, "disk", floor=1.5)
+
+
+def test_median_standard_error_and_quartiles():
+    assert offload._quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 4.0)
+    assert offload._median_se([1.0]) == 0.0
+    assert offload._median_se([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(
+        (math.pi / 2) ** 0.5 * 2.0 / 1.349 / 5**0.5
+    )
 
 
 # --- recompute vs reload ------------------------------------------------------------------------------------------
