@@ -202,6 +202,9 @@ def test_host_layer_returns_the_history_it_was_given():
     assert torch.equal(k, keys) and torch.equal(v, values)
     assert layer.get_seq_length() == 70 and layer.stored_bytes() == 2 * keys.nbytes
     assert layer.bytes_streamed == sum(2 * keys[:, :, :n].nbytes for n in range(65, 71))
+    assert layer.reread()[0] == 2 * keys.nbytes and layer.bytes_streamed == sum(
+        2 * keys[:, :, :n].nbytes for n in range(65, 71)
+    )  # the repeated transfer moves the whole layer and leaves the count alone
 
 
 def test_decode_rejects_bad_input(model):

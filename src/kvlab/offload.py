@@ -14,11 +14,14 @@ a private temporary directory and are removed even when a measurement fails.
 **Offloaded KV decode** (`OffloadedCache`). A transformers `Cache` whose chosen layers keep their K/V on a slower
 tier and stream the whole layer in at every step: `"host"` (pinned CPU memory, read over the host link; needs a
 GPU) or `"disk"` (a file per layer, written and read with `O_DIRECT` in whole aligned blocks; the newest,
-not yet full block stays in RAM, as block-based offload engines keep a partial block resident). The other layers
-are ordinary transformers layers. The copies are synchronous: nothing overlaps the transfer with compute, so
-the cost model (`offload_cost`) is the in-memory step plus, per offloaded layer, its bytes over each hop's
-measured bandwidth. transformers' own `DynamicCache(offloading=True)` (GPU only) prefetches the next layer on a
-side stream and overlaps; the lab compares against it where a GPU is present.
+not yet full block stays in RAM, as block-based offload engines keep a partial block resident; the reads are
+polled, `PolledReader`). The other layers are ordinary transformers layers. The copies are synchronous: nothing
+overlaps the transfer with compute, so the cost model is the compute-only (in-memory) step plus the offloaded
+bytes over the tier's bandwidth (`offload_cost`, `fit_offload`). `time_offload` measures both loops in lockstep
+and, after every step, repeats the offloaded layers' transfers alone (`OffloadedCache.reread`): the bandwidth the
+tier delivers with the loop's own requests, under the same load. On a CPU, steps are timed in thread CPU time
+(`step_clock`). transformers' own `DynamicCache(offloading=True)` (GPU only) prefetches the next layer on a side
+stream and overlaps; the lab compares against it where a GPU is present.
 
 **Recompute or reload** (`recompute_vs_reload`). Restoring a prompt's KV costs either its prefill FLOPs again or
 its KV bytes over a link. Reloading wins when the prefill's FLOPs per KV byte exceed the FLOPs the GPU could do
@@ -622,9 +625,9 @@ class _TierLayer(DynamicLayer):
     def reread(self, clock: Callable[[], float] = time.perf_counter) -> tuple[int, float]:
         """Bring this layer's K/V back from its tier exactly as `update` does, without changing the cache.
 
-        Returns (bytes transferred, seconds): the transfer alone, with the same request size, buffer and file
-        offsets as the decode loop's, so that timing it between decode steps measures the tier under the loop's
-        own conditions."""
+        Returns (bytes transferred, seconds): the transfer and the reordering copy into the layout attention
+        reads, with the same request size, buffer and file offsets as the decode loop's, so that timing it between
+        decode steps measures the tier as the loop uses it, under the loop's own conditions."""
         raise NotImplementedError
 
 
@@ -674,10 +677,10 @@ class HostLayer(_TierLayer):
         sync = _cuda_sync(self.device) if self.device.type == "cuda" else _nothing
         sync()
         start = clock()
-        copy = self._host[: self.length].to(self.device)
+        kv = self._host[: self.length].to(self.device).permute(1, 2, 3, 0, 4).contiguous()
         sync()
         seconds = clock() - start
-        return copy.nbytes, seconds
+        return kv.nbytes, seconds
 
 
 class DiskLayer(_TierLayer):
