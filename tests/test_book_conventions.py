@@ -158,3 +158,44 @@ def test_chapter_references_are_links(page):
     assert found == [], (
         f"{page.relative_to(ROOT)}: link each chapter mention, e.g. [chapter 2](../02_sizing/index.md): {found}"
     )
+
+
+SMALL_FONT = re.compile(
+    r"""\b(?:fontsize|labelsize|titlesize)\s*=\s*(?:(\d+(?:\.\d+)?)\b|["'](xx-small|x-small|small|smaller)["'])"""
+    r"""|["'](?:font\.size|[a-z]+\.(?:fontsize|labelsize|titlesize))["']\s*:\s*(\d+(?:\.\d+)?)\b"""
+)
+
+
+def small_fonts(code: str, minimum: float = 9.0) -> list[str]:
+    """Fixed font sizes under `minimum` points (numbers, or matplotlib's named sizes below its 10 pt default)."""
+    found = []
+    for match in SMALL_FONT.finditer(code):
+        number = match[1] or match[3]
+        if match[2] or float(number) < minimum:
+            found.append(match[0])
+    return found
+
+
+def test_small_fonts_are_found():
+    code = 'ax.legend(fontsize=8)\nax.tick_params(labelsize=12)\nax.text(0, 0, "a", fontsize="small")\n'
+    code += 'plt.rcParams.update({"legend.fontsize": 7.5})\nax.legend(fontsize=plot.compact_text())\n'
+    assert small_fonts(code) == ["fontsize=8", 'fontsize="small"', '"legend.fontsize": 7.5']
+
+
+# Labs whose owners have not yet moved to kvlab.plot's sizes (remove a lab once it passes).
+SMALL_FONT_PENDING = {
+    "08_continuous_batching",
+    "09_prefix_caching",
+    "11_kv_quantization",
+    "14_capacity_planning",
+}
+
+
+@pytest.mark.parametrize("lab", LABS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_font_below_9_points_in_labs(lab, request):
+    if lab.parent.name in SMALL_FONT_PENDING:
+        request.applymarker(
+            pytest.mark.xfail(reason="fixed font sizes under 9 pt not yet removed", strict=False)
+        )
+    found = [f for cell in code_cells(lab) for f in small_fonts(source(cell))]
+    assert found == [], f"{lab.relative_to(ROOT)}: use kvlab.plot's style or plot.compact_text(), not {found}"
