@@ -113,6 +113,8 @@ def test_decode_top_ids_and_memory_plan(monkeypatch):
     with pytest.raises(MemoryError, match=r"history 16384 needs about 8 GiB .* 4 heads × 16385²"):
         decode.step_cost(model, 16384)
     decode.check_uncached_step_fits(model, 4096)  # 0.5 GiB: fits
+    with pytest.raises(MemoryError, match="history 16384 needs"):
+        decode.greedy_decode(model, torch.zeros(1, 16380, dtype=torch.long), 6, use_cache=False)
     sdpa = models.tiny_model("llama", layers=2, hidden=64, heads=4, kv_heads=2, attn_implementation="sdpa")
     decode.check_uncached_step_fits(sdpa, 16384)  # fused attention holds no score matrix
     costs = [decode.StepCost(L, 1, L + 1, 1e-3, t) for L, t in ((16, 2e-3), (512, 9e-3))]

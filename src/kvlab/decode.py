@@ -45,6 +45,8 @@ def greedy_decode(
 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not use_cache:  # the last step recomputes the prompt and every token but the newest
+        check_uncached_step_fits(model, input_ids.shape[1] + max_new_tokens - 2, input_ids.shape[0])
     ids = input_ids.to(model.device)
     cache = DynamicCache(config=model.config) if use_cache else None
     step_input, history = ids, ids
