@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -319,6 +320,18 @@ def test_time_offload_and_fit(model, tmp_path):
         offload.fit_offload(timing, model.config, 2, "disk", z=0)
     with pytest.raises(ValueError, match="floor"):
         offload.fit_offload(timing, model.config, 2, "disk", floor=1.5)
+
+
+def test_step_clock_counts_cpu_time_only_when_one_thread_does_the_work():
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert offload.step_clock(torch.device("cpu")) is time.thread_time
+        torch.set_num_threads(2)
+        assert offload.step_clock(torch.device("cpu")) is time.perf_counter
+    finally:
+        torch.set_num_threads(threads)
+    assert offload.step_clock(torch.device("cuda")) is time.perf_counter
 
 
 def test_median_standard_error_and_quartiles():

@@ -946,16 +946,18 @@ class DecodeRun:
 
 
 def step_clock(device: torch.device) -> Callable[[], float]:
-    """The clock decode steps are timed with: on a CPU this thread's CPU time (`time.thread_time`), on a GPU the
-    wall clock.
+    """The clock decode steps are timed with: on a CPU running torch on one thread, this thread's CPU time
+    (`time.thread_time`); otherwise the wall clock.
 
     On a shared CPU machine a step's wall time includes every moment another process held the core, which varies
     from step to step with the load; the thread's CPU time counts only the moments it ran. Disk reads are polled
-    (`PolledReader`), so the thread runs, and is charged, while the drive works. Run torch on one thread
-    (`torch.set_num_threads(1)`) so that the calling thread does all the work. On a GPU the host thread waits
-    on the device, and the wall clock is the measure.
+    (`PolledReader`), so the thread runs, and is charged, while the drive works. That holds only while the calling
+    thread does all the work (`torch.set_num_threads(1)`); with more threads the wall clock is used. On a GPU the
+    host thread waits on the device, and the wall clock is the measure.
     """
-    return time.perf_counter if device.type == "cuda" else time.thread_time
+    if device.type == "cuda" or torch.get_num_threads() > 1:
+        return time.perf_counter
+    return time.thread_time
 
 
 @torch.inference_mode()
