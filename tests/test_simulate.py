@@ -97,15 +97,16 @@ def test_record_engine_steps_refuses_an_unknown_clock(model):
 
 # Validation against the real engine (issue 12's goal: within 10 % at P50 and 20 % at P99 for TTFT, ITL, E2EL, and
 # throughput, at >= 3 loads, one past saturation). The step cost is calibrated on OTHER traces (seeds 11, 12: one
-# saturating, one at 10 req/s) than the ones predicted (seed 2 at 6/s, 20/s and all at t=0). Three rounds, each
-# replaying the calibration traces and then the validation traces; each round predicts its own validation runs
-# from its own calibration, and an error is the median over the rounds. The engine is timed on its process CPU
+# saturating, one at 10 req/s) than the ones predicted (seed 2 at 6/s, 20/s and all at t=0). Five rounds; in each,
+# every validation trace is replayed right after the calibration traces and predicted from a cost fitted to
+# those calibration steps alone; an error is the median over the rounds. The engine is timed on its process CPU
 # time with idle waits jumped (`clock="cpu"`): on the wall clock of a shared 2-core machine (load 8-15 from other
 # jobs when this was written) a third of the steps took an extra 4-9 ms time slice at random (measured/fitted
 # step time up to 15x; benchmarks/bench_simulator.py prints both clocks), which no step cost can predict. The
 # simulator draws each step's cost times a measured/fitted ratio of the calibration steps (`resample`), so the
 # machine's spread shows in the P99s. Measured at load 10-15: single rounds missed by up to 30 % (P50) and 46 %
-# (P99); the median of 3 rounds was within 11 % (P50, throughput) and 16 % (P99). The bands below hold that with
+# (P99); the median of 3 rounds was within 16 % (P50), 22 % (P99) and 12 % (throughput) over 8 runs but one (a P50
+# beyond 20 %, seen once), hence 5 rounds. The bands below hold that with
 # margin for a loaded machine; the printout marks each metric outside the goal on the machine running the test.
 GOAL = {"median": 0.10, "p99": 0.20, "output": 0.10}
 TOLERANCE = {"median": 0.20, "p99": 0.35, "output": 0.20}
@@ -123,7 +124,7 @@ def test_simulator_predicts_the_engine_on_other_traces(model, capsys):
         "saturated": trace(40, math.inf, seed=2),
     }
     calibration, rows = sim.validate(
-        model, calibration_traces, loads, clock="cpu", repeats=3, resample=True, **KNOBS
+        model, calibration_traces, loads, clock="cpu", repeats=5, resample=True, **KNOBS
     )
     with capsys.disabled():
         print(f"\ncalibrated on {len(calibration.steps)} steps: {calibration.cost}")
