@@ -90,6 +90,17 @@ def test_fit_recovers_constants_with_prefill_term_and_host_gap():
     assert truth([30, 1, 1], [30, 50, 70]) == pytest.approx(truth.of(32, 150, 3, 1))
 
 
+def test_calibration_and_validation_refuse_bad_input(model):
+    with pytest.raises(ValueError, match="at least 5 measured steps"):
+        sim.fit_linear_cost([sim.StepRecord(1, 1, 1, 1e-3)])
+    with pytest.raises(ValueError, match="finite and > 0"):
+        sim.fit_linear_cost([sim.StepRecord(1, 1, 1, s) for s in (1e-3, 1e-3, 0.0, 1e-3, 1e-3)])
+    with pytest.raises(ValueError, match="calibration traces"):
+        sim.validate(model, [], {"x": trace(2, 1.0, 0)}, **KNOBS)
+    with pytest.raises(ValueError, match="calibration trace"):
+        sim.calibrate(model, [], **KNOBS)
+
+
 def test_record_engine_steps_refuses_an_unknown_clock(model):
     with pytest.raises(ValueError, match="clock must be"):
         sim.record_engine_steps(model, trace(2, 1.0, 0), clock="gpu", **KNOBS)
