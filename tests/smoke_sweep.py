@@ -34,10 +34,10 @@ def main() -> int:
             out_dir,
             {"kv_heads": [1, 4]},
             layers=2,
-            hidden=64,
-            heads=4,
+            hidden=128,  # head_dim 16; recomputing 1024 tokens outweighs the per-step overhead the lab asserts on
+            heads=8,
             new_tokens=4,
-            history_lengths=[8, 64],
+            history_lengths=[16, 1024],
             repeat=2,
             seed=1,
         )
