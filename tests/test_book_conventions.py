@@ -183,12 +183,7 @@ def test_small_fonts_are_found():
 
 
 # Labs whose owners have not yet moved to kvlab.plot's sizes (remove a lab once it passes).
-SMALL_FONT_PENDING = {
-    "08_continuous_batching",
-    "09_prefix_caching",
-    "11_kv_quantization",
-    "14_capacity_planning",
-}
+SMALL_FONT_PENDING = {"11_kv_quantization"}
 
 
 @pytest.mark.parametrize("lab", LABS, ids=lambda p: str(p.relative_to(ROOT)))
