@@ -182,15 +182,7 @@ def test_small_fonts_are_found():
     assert small_fonts(code) == ["fontsize=8", 'fontsize="small"', '"legend.fontsize": 7.5']
 
 
-# Labs whose owners have not yet moved to kvlab.plot's sizes (remove a lab once it passes).
-SMALL_FONT_PENDING = {"11_kv_quantization"}
-
-
 @pytest.mark.parametrize("lab", LABS, ids=lambda p: str(p.relative_to(ROOT)))
-def test_no_font_below_9_points_in_labs(lab, request):
-    if lab.parent.name in SMALL_FONT_PENDING:
-        request.applymarker(
-            pytest.mark.xfail(reason="fixed font sizes under 9 pt not yet removed", strict=False)
-        )
+def test_no_font_below_9_points_in_labs(lab):
     found = [f for cell in code_cells(lab) for f in small_fonts(source(cell))]
     assert found == [], f"{lab.relative_to(ROOT)}: use kvlab.plot's style or plot.compact_text(), not {found}"
