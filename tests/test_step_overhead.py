@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 from transformers import PretrainedConfig
 
 from kvlab import hardware, timing
@@ -87,3 +88,12 @@ def test_best_ratio_uses_the_fastest_step():
     step = decode_step("meta-llama/Llama-3.1-8B", "H100-SXM", 1, 1024, dtype="bf16")
     row = timing.DecodeComparison(timing.StepTiming(1, 1024, (3.0, 1.0, 2.0)), step, predicted_s=0.5)
     assert (row.best_ratio, row.ratio) == (2.0, 4.0)
+
+
+def test_cpu_load_per_core(monkeypatch):
+    monkeypatch.setattr(timing.os, "getloadavg", lambda: (6.0, 0.0, 0.0))
+    monkeypatch.setattr(timing.os, "cpu_count", lambda: 4)
+    assert timing.cpu_load_per_core(torch.device("cpu")) == 1.5
+    assert (
+        timing.cpu_load_per_core(torch.device("meta")) == 0.0
+    )  # not a CPU: host load does not slow its steps

@@ -15,6 +15,7 @@ Chapters: *Prefill and decode* (book/03_prefill_decode), *Why decode is bandwidt
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -269,3 +270,14 @@ def measure_step_overhead(
     timing = measure_decode_step(hollow, 1, 1, repeat=repeat, warmup=warmup, seed=seed)
     bound = decode_step(config, hw, 1, 1, dtype=model.dtype).time_s if hw is not None else 0.0
     return StepOverhead(timing, int(config.num_hidden_layers), bound)
+
+
+def cpu_load_per_core(device: torch.device) -> float:
+    """Runnable processes per core over the last minute (`os.getloadavg`) when timing on a CPU, else 0.
+
+    Above 1, other processes compete with the timed steps for this CPU, and the steps and the ceilings they are
+    compared with are measured under different contention; a GPU's kernels are not slowed by host load.
+    """
+    if device.type != "cpu":
+        return 0.0
+    return os.getloadavg()[0] / (os.cpu_count() or 1)
