@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
+from pathlib import Path
 
 import torch
 
@@ -32,15 +34,43 @@ def device_name(device: str | torch.device | None = None) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name as the kernel reports it (`platform.processor()` is often empty on Linux)."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "Model", "cpu model") and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def load_average() -> float | None:
+    """The 1-minute load average, or None where the OS has none."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
 def env_report(device: str | torch.device | None = None) -> dict[str, str]:
-    """Device, driver and library versions, and the date: what a reader needs to reproduce a figure."""
+    """What wrote a result: the machine (CPU model and torch's CPU kernels, or the GPU with its compute
+    capability, driver and CUDA), the thread count, the load when the lab started, the library versions and
+    the date. Stored outputs differ from machine to machine in their last digits; this says which wrote them."""
     import transformers
 
     import kvlab
 
     device = pick_device(device)
+    load = load_average()
     report = {
         "device": device_name(device),
+        "cpu": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": str(torch.get_num_threads()),
+        "cores": str(os.cpu_count() or "?"),
+        "load_average": "unknown" if load is None else f"{load:.2f}",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "kvlab": kvlab.__version__,
@@ -48,6 +78,8 @@ def env_report(device: str | torch.device | None = None) -> dict[str, str]:
         "date": _dt.date.today().isoformat(),
     }
     if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        report["compute_capability"] = f"{major}.{minor}"
         report["cuda"] = torch.version.cuda or ""
         report["driver"] = _nvidia_driver()
     return report

@@ -97,8 +97,16 @@ def gpu_provenance(record: dict[str, Any]) -> str:
     p = record.get("provenance", {})
     commit = str(p.get("kvlab_commit", "unknown"))[:12]
     status = "" if record.get("status") == "ok" else f"; run FAILED: {record.get('error', '')}"
+    machine = (
+        f"compute capability {p.get('compute_capability', '?')}, driver {p.get('driver', '?')}, "
+        f"CUDA {p.get('cuda', '?')}"
+    )
+    host = (
+        f"host {p.get('cpu', '?')} ({p.get('cpu_capability', '?')}), {p.get('threads', '?')} torch threads, "
+        f"load average {p.get('load_average', '?')} at the start"
+    )
     return (
-        f"{p.get('device', record.get('gpu_folder', '?'))}: driver {p.get('driver', '?')}, CUDA {p.get('cuda', '?')}, "
+        f"{p.get('device', record.get('gpu_folder', '?'))}: {machine}; {host}; "
         f"torch {p.get('torch', '?')}, transformers {p.get('transformers', '?')}, kvlab {p.get('kvlab', '?')} "
         f"(commit {commit}), {p.get('date', '?')}{status}"
     )
