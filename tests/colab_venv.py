@@ -35,6 +35,13 @@ TORCH = "torch==2.13.0"
 KERNEL_PACKAGES = ["ipykernel", "nbclient"]
 NBVAL_PACKAGES = ["pytest", "nbval"]
 STAMP = ".kvlab-colab"
+# The lowest kernels torch, MKL and oneDNN fall back to on any x86-64 CPU. Stored outputs written on one CPU
+# must compare equal when the labs run on these: a cell whose output changes is machine-dependent.
+CAPPED_ISA = {
+    "ATEN_CPU_CAPABILITY": "default",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+}
 
 # Executed inside the clean venv: run one notebook with nbclient, write it, print a one-line verdict.
 RUNNER = r"""
@@ -115,8 +122,10 @@ def build(venv: Path) -> float:
     return time.perf_counter() - start
 
 
-def lab_env(venv: Path) -> dict[str, str]:
+def lab_env(venv: Path, capped: bool = False) -> dict[str, str]:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONHASHSEED="0", HF_HUB_OFFLINE="1")
+    if capped:
+        env.update(CAPPED_ISA)
     env.pop("PYTHONPATH", None)
     env.pop("VIRTUAL_ENV", None)
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
@@ -124,12 +133,16 @@ def lab_env(venv: Path) -> dict[str, str]:
     return env
 
 
-def nbval(venv: Path, notebooks: list[Path]) -> int:
-    """nbval in the clean venv: every lab executed there, stored outputs compared (GPU hidden)."""
+def nbval(venv: Path, notebooks: list[Path], capped: bool = False) -> int:
+    """nbval in the clean venv: every lab executed there, stored outputs compared (GPU hidden); `capped`
+    runs torch, MKL and oneDNN on their baseline kernels (CAPPED_ISA)."""
     cmd = [str(venv / "bin" / "python"), "-m", "pytest", "--nbval", *map(str, notebooks)]
     cmd += ["--sanitize-with", str(ROOT / "tests" / "nbval_sanitize.cfg"), "-p", "no:cacheprovider", "-q"]
     cmd += ["--rootdir", str(ROOT), "-c", os.devnull]  # the repo's pytest config imports nothing from src
-    return subprocess.run(cmd, env=lab_env(venv), cwd=ROOT).returncode
+    env = lab_env(venv, capped)
+    check = "import torch; print('torch CPU capability:', torch.backends.cpu.get_cpu_capability())"
+    subprocess.run([str(venv / "bin" / "python"), "-c", check], env=env, cwd=ROOT, check=True)
+    return subprocess.run(cmd, env=env, cwd=ROOT).returncode
 
 
 def execute(venv: Path, lab: Path, out: Path) -> tuple[Path, bool, str, float]:
@@ -160,6 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--nbval", action="store_true", help="run nbval in the clean venv instead of nbclient"
     )
+    parser.add_argument(
+        "--capped-isa",
+        action="store_true",
+        help="with --nbval: run on the baseline kernels of torch, MKL and oneDNN ("
+        + " ".join(f"{k}={v}" for k, v in CAPPED_ISA.items())
+        + ")",
+    )
     args = parser.parse_args(argv)
     chosen = [p.resolve() for p in args.labs] or labs()
     missing = [str(p) for p in chosen if not p.is_file()]
@@ -170,9 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"clean venv {args.venv}: {state}", flush=True)
     start = time.perf_counter()
     if args.nbval:
-        code = nbval(args.venv.resolve(), chosen)
+        code = nbval(args.venv.resolve(), chosen, args.capped_isa)
+        kernels = "baseline kernels (capped ISA)" if args.capped_isa else "this CPU's own kernels"
         print(
-            f"nbval in the clean venv: {len(chosen)} labs, {time.perf_counter() - start:.0f} s, exit {code}"
+            f"nbval in the clean venv on {kernels}: {len(chosen)} labs, "
+            f"{time.perf_counter() - start:.0f} s, exit {code}"
         )
         return code
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:

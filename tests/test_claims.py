@@ -48,3 +48,16 @@ def test_bad_bands():
         claims.within("x", 1, 1, 0)
     with pytest.raises(ValueError, match="positive number"):
         claims.within("x", 1, 0, 0.1)
+
+
+def test_the_printed_attempts_parse_back():
+    lines = []
+    values = iter([3.0, 1.0])
+    claims.measure_claim(
+        "TTFT, on vs off", lambda: next(values), lambda v: [claims.within("x", v, 1, 0.5)], 2, lines.append
+    )
+    parsed = claims.parse_attempts("noise\n" + "\n".join(lines) + "\n")
+    assert parsed == [
+        claims.AttemptLine("TTFT, on vs off", 1, 2, False),
+        claims.AttemptLine("TTFT, on vs off", 2, 2, True),
+    ]

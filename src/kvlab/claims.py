@@ -11,11 +11,15 @@ every attempt, so the protocol still catches it. `benchmarks/flakiness.py` measu
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+# The line measure_claim prints for each attempt; benchmarks/flakiness.py reads it back from a lab's output.
+_ATTEMPT = re.compile(r"^(?P<claim>.+), attempt (?P<number>\d+)/(?P<of>\d+): (?P<state>holds|misses)", re.M)
 
 
 @dataclass(frozen=True)
@@ -124,3 +128,21 @@ def measure_claim(
         if done[-1].holds:
             break
     return Verdict(claim, tuple(done), attempts)
+
+
+@dataclass(frozen=True)
+class AttemptLine:
+    """One attempt as a lab printed it."""
+
+    claim: str
+    number: int
+    of: int
+    holds: bool
+
+
+def parse_attempts(text: str) -> list[AttemptLine]:
+    """The attempts `measure_claim` printed in `text` (a lab's output), in order."""
+    return [
+        AttemptLine(m["claim"], int(m["number"]), int(m["of"]), m["state"] == "holds")
+        for m in _ATTEMPT.finditer(text)
+    ]

@@ -1,0 +1,161 @@
+"""How often each timing lab fails, quiet and beside a CPU-bound load: a true claim's designed rate, measured.
+
+    .venv/bin/python benchmarks/flakiness.py book/08_continuous_batching book/12_beyond_hbm --runs 20
+    .venv/bin/python benchmarks/flakiness.py LAB... --runs 20 --load 1 --json _build/flakiness-loaded.json
+
+Each run executes the whole lab with nbclient (GPU hidden, seeded as in `make nbval`), in turn, `--runs`
+times. With `--load K` it first starts K processes that spin on the CPU and stops them at the end, so every
+run shares the machine with them. It prints, per lab, the failed runs and the assert each failed at, and per
+claim (from the attempt lines `kvlab.claims.measure_claim` prints) how often one attempt missed: with a
+per-attempt miss rate p and k attempts, the claim fails about p**k of the runs if attempts miss independently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+from kvlab import claims
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Run:
+    lab: str
+    number: int
+    seconds: float
+    load_average: float
+    failed_at: str = ""
+    attempts: list[claims.AttemptLine] = field(default_factory=list)
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+def _lab_path(name: str) -> Path:
+    path = Path(name)
+    path = path if path.suffix == ".ipynb" else path / "lab.ipynb"
+    path = path if path.is_absolute() else ROOT / path
+    if not path.is_file():
+        raise SystemExit(f"no such lab: {name}")
+    return path
+
+
+def _stream_text(nb: nbformat.NotebookNode) -> str:
+    return "".join(
+        o.get("text", "")
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for o in cell.get("outputs", [])
+        if o.get("output_type") == "stream"
+    )
+
+
+def _failure(err: CellExecutionError) -> str:
+    """The failing assert in one line: the error's own message, else the error's type."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    named = [line for line in lines if line.startswith(("AssertionError", "ValueError", "RuntimeError"))]
+    return (named[-1] if named else (lines[-1] if lines else "error"))[:200]
+
+
+def run_lab(lab: Path, number: int, timeout: int) -> Run:
+    nb = nbformat.read(lab, as_version=4)
+    load = os.getloadavg()[0]
+    start = time.perf_counter()
+    client = NotebookClient(
+        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(lab.parent)}}
+    )
+    failed = ""
+    try:
+        client.execute()
+    except CellExecutionError as err:
+        failed = _failure(err)
+    seconds = time.perf_counter() - start
+    name = str(lab.parent.relative_to(ROOT))
+    return Run(name, number, seconds, load, failed, claims.parse_attempts(_stream_text(nb)))
+
+
+def report(runs: list[Run], load: int) -> str:
+    lines = [f"flakiness, {'quiet' if not load else f'beside {load} CPU-bound process(es)'}:"]
+    lines.append(f"{'lab':32} {'runs':>4} {'failed':>6} {'median s':>8} {'load avg':>8}  failed at")
+    by_lab: dict[str, list[Run]] = defaultdict(list)
+    for run in runs:
+        by_lab[run.lab].append(run)
+    for lab, done in by_lab.items():
+        failures = Counter(r.failed_at for r in done if r.failed_at)
+        seconds = sorted(r.seconds for r in done)[len(done) // 2]
+        loads = sum(r.load_average for r in done) / len(done)
+        where = "; ".join(f"{n}x {what}" for what, n in failures.most_common()) or "-"
+        lines.append(
+            f"{lab:32} {len(done):>4} {sum(failures.values()):>6} {seconds:>8.0f} {loads:>8.2f}  {where}"
+        )
+    lines.append("")
+    lines.append(f"{'claim':60} {'attempts':>8} {'missed':>6} {'p':>6} {'k':>2} {'p**k':>8}")
+    attempts: dict[tuple[str, str], list[claims.AttemptLine]] = defaultdict(list)
+    for run in runs:
+        for a in run.attempts:
+            attempts[(run.lab, a.claim)].append(a)
+    for (lab, claim), seen in attempts.items():
+        missed = sum(not a.holds for a in seen)
+        p = missed / len(seen)
+        k = max(a.of for a in seen)
+        lines.append(
+            f"{(lab.split('/')[-1] + ': ' + claim)[:60]:60} {len(seen):>8} {missed:>6} {p:>6.2f} {k:>2} {p**k:>8.1e}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("labs", nargs="+", help="chapter folders (book/08_continuous_batching) or lab paths")
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--load", type=int, default=0, help="CPU-bound processes to run beside the labs")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds a cell may take")
+    parser.add_argument("--json", type=Path, help="also write every run here")
+    args = parser.parse_args(argv)
+    if args.runs < 1 or args.load < 0:
+        parser.error("--runs must be at least 1 and --load at least 0")
+    labs = [_lab_path(name) for name in args.labs]
+    os.environ.update(
+        CUDA_VISIBLE_DEVICES="", PYTHONHASHSEED="0", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"
+    )
+    spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(args.load)]
+    for p in spinners:
+        p.start()
+    runs: list[Run] = []
+    try:
+        for number in range(1, args.runs + 1):
+            for lab in labs:
+                run = run_lab(lab, number, args.timeout)
+                runs.append(run)
+                state = f"FAILED: {run.failed_at}" if run.failed_at else "ok"
+                print(f"run {number}/{args.runs} {run.lab}: {state} ({run.seconds:.0f} s)", flush=True)
+    finally:
+        for p in spinners:
+            p.terminate()
+    text = report(runs, args.load)
+    print(text)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(
+            json.dumps({"load": args.load, "runs": [asdict(r) for r in runs], "report": text}, indent=1)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
