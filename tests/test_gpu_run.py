@@ -167,3 +167,19 @@ def test_gpu_results_directive_renders_a_fake_results_folder(tmp_path):
         assert text in with_run, text
     without = (tmp_path / "_build" / "book" / "05_fake" / "index.html").read_text()
     assert NO_GPU_RUN in without and "NVIDIA H200" not in without
+
+
+def test_a_dry_run_applies_the_cpu_stub_values_over_the_gpu_sizes(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text(
+        json.dumps({"01_cache_contents": {"layers": 16, "hidden": 1024, "cpu_stub": {"hidden": 256}}})
+    )
+    book = ROOT / "book"
+    assert load_params(params, book) == {"01_cache_contents": {"layers": 16, "hidden": 1024}}
+    assert load_params(params, book, stub=True) == {"01_cache_contents": {"layers": 16, "hidden": 256}}
+    params.write_text(json.dumps({"01_cache_contents": {"cpu_stub": {"no_such": 1}}}))
+    with pytest.raises(SweepError, match="has no parameter 'no_such'"):
+        load_params(params, book, stub=True)
+    params.write_text(json.dumps({"01_cache_contents": {"cpu_stub": [1]}}))
+    with pytest.raises(SweepError, match="needs a mapping"):
+        load_params(params, book)

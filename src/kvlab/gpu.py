@@ -39,6 +39,8 @@ from kvlab.sweep import (
 )
 
 STUB_ENV = "KVLAB_GPU_STUB"
+# In book/gpu_params.yaml, a chapter's values for the CPU dry run (see `load_params`).
+STUB_KEY = "cpu_stub"
 RESULTS = Path("book") / "results"
 PARAMS = Path("book") / "gpu_params.yaml"
 
@@ -55,8 +57,12 @@ def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
 
 
-def load_params(path: Path, book: Path) -> dict[str, dict[str, Any]]:
-    """Chapter folder -> GPU-sized parameters, each name checked against that lab's `parameters` cell."""
+def load_params(path: Path, book: Path, stub: bool = False) -> dict[str, dict[str, Any]]:
+    """Chapter folder -> GPU-sized parameters, each name checked against that lab's `parameters` cell.
+
+    A chapter's `cpu_stub` mapping holds the values that replace GPU sizes a CPU cannot run in minutes; a dry run
+    (`stub`, KVLAB_GPU_STUB=cpu) applies them over the GPU values, so every other GPU value and every assert runs
+    on the CPU as it will on the GPU. A GPU run ignores them."""
     yaml = _require("yaml")
     if not path.is_file():
         raise SweepError(f"no such parameters file: {path}")
@@ -69,15 +75,18 @@ def load_params(path: Path, book: Path) -> dict[str, dict[str, Any]]:
         if not lab.is_file():
             raise SweepError(f"{path}: no lab for chapter {chapter!r} (expected {lab})")
         values = values or {}
-        if not isinstance(values, dict):
+        if not isinstance(values, dict) or not isinstance(values.get(STUB_KEY) or {}, dict):
             raise SweepError(f"{path}: chapter {chapter!r} needs a mapping of parameters")
+        values = dict(values)
+        overrides = values.pop(STUB_KEY, None) or {}
         known = notebook_parameters(lab)
-        unknown = sorted(set(values) - set(known))
+        unknown = sorted((set(values) | set(overrides)) - set(known))
         if unknown:
             raise SweepError(
                 f"{path}: chapter {chapter!r} has no parameter {', '.join(map(repr, unknown))}; "
                 f"its parameters are: {', '.join(known)}"
             )
+        values = values | overrides if stub else values
         params[str(chapter)] = values
     return params
 
@@ -126,7 +135,7 @@ def run_labs(
     """Run each chosen lab at its parameters; returns the per-lab records (also written as JSON)."""
     papermill = _require("papermill")
     book = root / "book"
-    params = load_params(params_file, book)
+    params = load_params(params_file, book, stub=stubbed())
     labs = sorted(p.parent.name for p in book.glob("*/lab.ipynb"))
     chosen = chapters or labs  # a lab the file does not list runs at its defaults
     unknown = [c for c in chosen if c not in labs]
