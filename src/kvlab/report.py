@@ -7,7 +7,10 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvlab.agreement import Agreement
 
 
 @dataclass
@@ -59,6 +62,35 @@ def _fmt(value: Any) -> str:
     if isinstance(value, tuple):
         return "(" + ", ".join(str(v) for v in value) + ")"
     return str(value)
+
+
+# --- Greedy agreement that a near-tie cannot flip ----------------------------------------------------------------
+
+
+def tokens_kept(agreement: Agreement) -> int:
+    """Tokens before the first difference (all compared tokens when the two sequences are identical).
+
+    Past a first difference the two continuations are different texts, so positions there are not counted."""
+    return agreement.length if agreement.first_difference is None else agreement.first_difference
+
+
+def share_kept(agreements: Sequence[Agreement]) -> float:
+    """Share of all compared tokens that come before each pair's first difference (1.0 when nothing compared)."""
+    total = sum(a.length for a in agreements)
+    return sum(tokens_kept(a) for a in agreements) / total if total else 1.0
+
+
+def keeps_tokens(agreement: Agreement, threshold: float) -> bool:
+    """Whether a quantized (or otherwise perturbed) generation keeps the reference's greedy tokens.
+
+    True when at least `threshold` of the compared tokens come before the first difference, or when that first
+    difference is a near-tie (`Agreement.close`: each side's token among the other side's top-k lists the
+    agreement was built from; top-2 lists make it a swap of the two best tokens). A near-tie is where a last-bit
+    difference in the logits, as another CPU's kernels give, can flip the greedy choice: an assert on the share
+    alone would then fail on a machine where the claim holds."""
+    if not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"threshold must be in [0, 1], got {threshold!r}")
+    return tokens_kept(agreement) >= threshold * agreement.length or agreement.close
 
 
 # --- Results of `make gpu` (kvlab.gpu), shown beside a chapter's CPU figures ----------------------------------
