@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import statistics
 import time
 
+import numpy as np
 import pytest
 import torch
 from transformers import DynamicCache
@@ -302,13 +304,24 @@ def test_time_offload_and_fit(model, tmp_path):
         timing = offload.time_offload(model, ids, 9, cache, others=[None])
         block_tokens = cache.layers[1].block_tokens
     assert timing.offloaded.tokens == timing.memory.tokens == timing.others[0].tokens
-    assert len(timing.transfer_s) == len(timing.transfer_bytes) == len(timing.offloaded.step_s) == 8
+    steps = len(timing.offloaded.step_s)
+    assert steps == len(timing.transfer_s) == len(timing.transfer_bytes) == len(timing.append_s) == 8
     assert all(b > 0 for b in timing.transfer_bytes) and timing.bandwidth.median_bytes_per_s > 0
+    assert all(a > 0 for a in timing.append_s)
+    assert timing.compute_s == [m - a for m, a in zip(timing.memory.step_s, timing.append_s, strict=True)]
     fit = offload.fit_offload(timing, model.config, 2, "disk", block_tokens=block_tokens)
     assert fit.predicted_s == pytest.approx(fit.compute_s + fit.transfer_s)
-    assert fit.compute_s == timing.memory.median_step_s and fit.measured_s == timing.offloaded.median_step_s
-    assert fit.low_s <= fit.predicted_s * 0.97 and fit.high_s >= fit.predicted_s * 1.03  # the 3 % floor
-    assert fit.band[0] < 0 < fit.band[1] and 0 < fit.transfer_share < 1
+    assert fit.compute_s == pytest.approx(statistics.median(timing.compute_s))
+    assert fit.measured_s == timing.offloaded.median_step_s
+    assert fit.memory_s == timing.memory.median_step_s and fit.confidence == 0.99
+    # the band: the prediction's interval widened by the measured median's, both from `median_interval`
+    per_step = [c + t for c, t in zip(timing.compute_s, timing.transfer_s, strict=True)]
+    p_low, p_high = offload.median_interval(per_step, 0.99)
+    m_low, m_high = offload.median_interval(timing.offloaded.step_s, 0.99)
+    centre = statistics.median(per_step)
+    assert fit.low_s == pytest.approx(fit.predicted_s - (centre - p_low) - (m_high - fit.measured_s))
+    assert fit.high_s == pytest.approx(fit.predicted_s + (p_high - centre) + (fit.measured_s - m_low))
+    assert fit.band[0] <= 0 <= fit.band[1] and 0 < fit.transfer_share < 1
     assert fit.holds == (fit.low_s <= fit.measured_s <= fit.high_s)
     # the transfer term is the bytes at the middle step over the loop's median bandwidth
     middle = offload.offload_cost(model.config, 200 + 8 // 2 + 1, 2, "disk",
@@ -316,10 +329,39 @@ def test_time_offload_and_fit(model, tmp_path):
     assert fit.transfer_s == pytest.approx(middle.seconds)
     overlapped = dataclasses.replace(fit, overlap=True)
     assert overlapped.predicted_s == max(fit.compute_s, fit.transfer_s)
-    with pytest.raises(ValueError, match="z must be positive"):
-        offload.fit_offload(timing, model.config, 2, "disk", z=0)
-    with pytest.raises(ValueError, match="floor"):
-        offload.fit_offload(timing, model.config, 2, "disk", floor=1.5)
+    short = dataclasses.replace(timing, offloaded=dataclasses.replace(timing.offloaded, step_s=[1.0] * 7))
+    with pytest.raises(ValueError, match="at least 8 decode steps"):
+        offload.fit_offload(short, model.config, 2, "disk")
+
+
+def test_the_in_memory_reference_waits_where_the_tier_does_and_repeats_its_appends(model):
+    cache = offload.memory_reference(model.config, [0, 2])
+    assert [type(layer).__name__ for layer in cache.layers] == ["SyncedLayer", "DynamicLayer", "SyncedLayer"]
+    assert cache.layers[0].reappend() == 0.0  # nothing appended yet
+    ref, run = offload.decode_lockstep(model, _ids(20), 5, [None, cache])
+    assert ref.tokens == run.tokens and torch.equal(ref.logits, run.logits)
+    layer = cache.layers[0]
+    keys = layer.keys.clone()
+    assert layer.reappend() > 0 and torch.equal(layer.keys, keys)  # timed again, the history unchanged
+    with pytest.raises(ValueError, match="not a layer index"):
+        offload.memory_reference(model.config, [3])
+
+
+def test_median_interval_is_a_distribution_free_interval_for_the_median():
+    values = list(range(1, 41))
+    # n = 40 at 99 %: P(Binomial(40, 1/2) <= 11) = 0.0032 <= 0.005 < P(<= 12) = 0.0083, so k = 12
+    assert offload.median_interval(values, 0.99) == (12, 29)
+    assert offload.median_interval(list(range(8)), 0.99) == (0, 7)  # 2 / 2**8 <= 0.01: the extremes
+    with pytest.raises(ValueError, match="too few"):
+        offload.median_interval([1.0] * 7, 0.99)
+    with pytest.raises(ValueError, match="confidence"):
+        offload.median_interval(values, 1.0)
+    # coverage: over many samples of a skewed distribution the interval holds the true median >= 99 % of the time
+    samples = np.random.default_rng(0).exponential(1.0, (4000, 40))
+    true_median = math.log(2)
+    intervals = [offload.median_interval(row.tolist()) for row in samples]
+    covered = sum(lo <= true_median <= hi for lo, hi in intervals)
+    assert covered / 4000 >= 0.99 - 0.005
 
 
 def test_step_clock_counts_cpu_time_only_when_one_thread_does_the_work():
@@ -332,14 +374,6 @@ def test_step_clock_counts_cpu_time_only_when_one_thread_does_the_work():
     finally:
         torch.set_num_threads(threads)
     assert offload.step_clock(torch.device("cuda")) is time.perf_counter
-
-
-def test_median_standard_error_and_quartiles():
-    assert offload._quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 4.0)
-    assert offload._median_se([1.0]) == 0.0
-    assert offload._median_se([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(
-        (math.pi / 2) ** 0.5 * 2.0 / 1.349 / 5**0.5
-    )
 
 
 # --- recompute vs reload ------------------------------------------------------------------------------------------
@@ -393,3 +427,77 @@ def test_saved_kv_reloads_to_the_same_continuation(model, tmp_path):
         assert torch.equal(model(nxt, cache=cache).logits, model(nxt, cache=loaded).logits)
     with pytest.raises(ValueError, match="run a prefill"):
         offload.save_kv(DynamicCache(config=model.config), tmp_path / "empty.kv")
+
+
+# --- the claims, as the lab measures and checks them --------------------------------------------------------------
+
+
+def test_random_prompt_is_the_same_at_a_length_and_differs_between_lengths():
+    a, b = offload.random_prompt(128, 2, 16, seed=3), offload.random_prompt(128, 2, 16, seed=3)
+    assert torch.equal(a, b) and a.shape == (2, 16) and int(a.min()) >= 2 and int(a.max()) < 128
+    assert not torch.equal(offload.random_prompt(128, 2, 17, seed=3)[:, :16], a)
+
+
+def test_measure_and_check_offload(model, tmp_path):
+    sweep = offload.measure_offload(model, [64, 96], [1, 2], "disk", 9)
+    assert sorted(sweep.fits) == [64, 96] and sweep.tier == "disk" and sweep.offloaded == (1, 2)
+    assert sweep.tokens == 2 * 9
+    checks = offload.check_offload(sweep, min_share=0.0)
+    names = [c.name for c in checks]
+    assert names[0] == "96 tokens: transfer at least 0% of the predicted step" and checks[0].holds
+    assert "64 tokens: offloaded step (ms) in the band around compute + transfer" in names
+    assert "96 tokens: band width below the transfer term (ms)" in names
+    assert len(checks) == 2 + 2 * 2
+    # at a share no step reaches, only the longest context's two conditions remain, and the first misses
+    strict = offload.check_offload(sweep, min_share=1.0)
+    assert len(strict) == 2 and not strict[0].holds
+
+
+def test_measure_offload_refuses_a_cache_that_changes_the_tokens(model):
+    class Corrupt(offload.DiskLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            k, v = super().update(key_states, value_states, *args, **kwargs)
+            return k, torch.randn_like(v) * 10
+
+    def corrupt(config, layers, tier):
+        cache = offload.OffloadedCache(config, layers, tier=tier)
+        cache.layers[layers[0]] = Corrupt(cache.layers[layers[0]].path.with_suffix(".bad"))
+        return cache
+
+    with pytest.raises(AssertionError, match="tokens differ"):
+        offload.measure_offload(model, [64], [1], "disk", 9, make_cache=corrupt)
+
+
+def test_host_layer_reread_copies_the_new_token_out_and_the_layer_in():
+    layer = offload.HostLayer()
+    assert layer.reread() == (0, 0.0)
+    keys, values = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    layer.update(keys[:, :, :4], values[:, :, :4])
+    layer.update(keys[:, :, 4:], values[:, :, 4:])
+    nbytes, seconds = layer.reread()
+    assert nbytes == 2 * keys.nbytes and seconds >= 0
+    assert layer._scratch is not None and torch.equal(layer._scratch, layer._host[4:5])
+
+
+def test_time_and_check_reload(model, tmp_path):
+    ids = _ids(64)
+    timing = offload.time_reload(model, ids, repeat=2, directory=tmp_path)
+    assert timing.saved.nbytes == sizing.kv_cache_bytes(model.config, 64)
+    assert timing.same_next_token and timing.recompute_s > 0 and timing.reload_s > 0
+    assert timing.speedup == timing.recompute_s / timing.reload_s
+    assert _leftovers(tmp_path) == []
+    estimate = offload.recompute_vs_reload(model.config, hardware.get("H100-SXM"), 1e9, 64, "fp32", "fp32")
+    predicted = offload.predicted_reload_speedup(estimate, 1e-4)
+    assert predicted == pytest.approx(estimate.recompute_s / (estimate.reload_s + 1e-4))
+    (check,) = offload.check_reload(timing, estimate, 1e-4)
+    assert check.name == "the model picks the same winner as the stopwatch"
+    assert check.holds == ((predicted > 1) == (timing.speedup > 1))
+    flipped = dataclasses.replace(timing, reload_s=timing.recompute_s * (0.5 if predicted < 1 else 2.0))
+    assert not offload.check_reload(flipped, estimate, 1e-4)[0].holds
+    with pytest.raises(ValueError, match="latency_s"):
+        offload.predicted_reload_speedup(estimate, -1.0)
+
+
+def test_prefill_cache_holds_the_prompt(model):
+    cache = offload.prefill_cache(model, _ids(12))
+    assert cache.get_seq_length() == 12

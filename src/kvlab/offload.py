@@ -41,7 +41,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,8 +58,9 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from kvlab import hardware, roofline
+from kvlab import claims, hardware, roofline
 from kvlab.env import pick_device
+from kvlab.measure import time_call
 from kvlab.sizing import DType, kv_cache_bytes
 
 MiB = 2**20
@@ -623,11 +624,14 @@ class _TierLayer(DynamicLayer):
         raise NotImplementedError(f"{type(self).__name__} does not support beam search")
 
     def reread(self, clock: Callable[[], float] = time.perf_counter) -> tuple[int, float]:
-        """Bring this layer's K/V back from its tier exactly as `update` does, without changing the cache.
+        """Do again what the last `update` did with the tier, without changing the cache.
 
-        Returns (bytes transferred, seconds): the transfer and the reordering copy into the layout attention
-        reads, with the same request size, buffer and file offsets as the decode loop's, so that timing it between
-        decode steps measures the tier as the loop uses it, under the loop's own conditions."""
+        Returns (bytes brought back, seconds): the new token's records sent to the tier, the layer brought back and
+        reordered into the layout attention reads, with the same request size, buffer and file offsets as the
+        decode loop's, so that timing it between decode steps measures the tier as the loop uses it, under the
+        loop's own conditions. The reordering copy belongs here: it is the first to read the bytes the tier
+        delivered, which arrive in memory, not in the CPU's caches. (What is not repeated: the new token written
+        to the tier when it fills a block, once every `block_tokens` steps, which a median step does not see.)"""
         raise NotImplementedError
 
 
@@ -644,6 +648,8 @@ class HostLayer(_TierLayer):
     def __init__(self) -> None:
         super().__init__()
         self._host: torch.Tensor | None = None
+        self._last_new: torch.Tensor | None = None  # the last update's new records, on the device
+        self._scratch: torch.Tensor | None = None  # where `reread` copies them out to
 
     def _grow(self, needed: int) -> None:
         capacity = 0 if self._host is None else self._host.shape[0]
@@ -663,20 +669,23 @@ class HostLayer(_TierLayer):
         new = key_states.shape[2]
         self._grow(self.length + new)
         assert self._host is not None
-        self._host[self.length : self.length + new].copy_(
-            torch.stack([key_states, value_states]).permute(3, 0, 1, 2, 4)
-        )
+        self._last_new = torch.stack([key_states, value_states]).permute(3, 0, 1, 2, 4)
+        self._host[self.length : self.length + new].copy_(self._last_new)
         self.length += new
         kv = self._host[: self.length].to(self.device).permute(1, 2, 3, 0, 4).contiguous()
         self.bytes_streamed += kv.nbytes
         return kv[0], kv[1]
 
     def reread(self, clock: Callable[[], float] = time.perf_counter) -> tuple[int, float]:
-        if self._host is None or not self.length:
+        if self._host is None or self._last_new is None or not self.length:
             return 0, 0.0
+        if self._scratch is None or self._scratch.shape != self._last_new.shape:
+            pinned = self._host.is_pinned()
+            self._scratch = torch.empty(self._last_new.shape, dtype=self._dtype, pin_memory=pinned)
         sync = _cuda_sync(self.device) if self.device.type == "cuda" else _nothing
         sync()
         start = clock()
+        self._scratch.copy_(self._last_new)
         kv = self._host[: self.length].to(self.device).permute(1, 2, 3, 0, 4).contiguous()
         sync()
         seconds = clock() - start
@@ -709,6 +718,7 @@ class DiskLayer(_TierLayer):
         self._reader: PolledReader | None = None
         self.direct = False
         self.bytes_read_from_disk = 0
+        self._last_states: tuple[torch.Tensor, torch.Tensor] | None = None  # the last update's new K and V
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -767,6 +777,7 @@ class DiskLayer(_TierLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         assert self._tail is not None
+        self._last_states = (key_states, value_states)
         new = torch.stack([key_states, value_states]).permute(3, 0, 1, 2, 4).to("cpu")  # (t, 2, b, h, d)
         tail = torch.cat([self._tail, new])
         full = len(tail) // self.block_tokens * self.block_tokens
@@ -787,12 +798,17 @@ class DiskLayer(_TierLayer):
         return self._reader.read(self._fd, view, 0)
 
     def reread(self, clock: Callable[[], float] = time.perf_counter) -> tuple[int, float]:
-        """The layer fetched again as `update` fetches it: the full blocks read from disk into the loop's own read
-        buffer, the RAM block appended, the records reordered for attention (the partial block is in RAM)."""
-        if self._read_buf is None or not self.length:
+        """The last update's tier work again: the new token's records appended to the RAM block (into a copy),
+        the full blocks read from disk into the loop's own read buffer, the RAM block appended, the records
+        reordered for attention (the partial block is in RAM)."""
+        if self._read_buf is None or self._last_states is None or not self.length:
             return 0, 0.0
+        assert self._tail is not None
         counted = self.bytes_read_from_disk  # the decode loop's count; a repeated fetch is not part of it
+        keys, values = self._last_states
         start = clock()
+        new = torch.stack([keys, values]).permute(3, 0, 1, 2, 4).to("cpu")
+        torch.cat([self._tail, new]).clone()
         records = self._read_records()
         kv = records.to(self.device).permute(1, 2, 3, 0, 4).contiguous()
         seconds = clock() - start
@@ -901,9 +917,9 @@ class OffloadedCache(Cache):
     def reread(
         self, compute_s: float = 0.0, clock: Callable[[], float] = time.perf_counter
     ) -> tuple[int, float]:
-        """Every offloaded layer's K/V transferred again as the last decode step did: (bytes, seconds).
+        """Every offloaded layer's tier accesses repeated as the last decode step made them: (bytes, seconds).
 
-        Only the transfers are timed. Before each, `compute_s` seconds of computing (on the CPU) stand in for the
+        Only the accesses are timed (`_TierLayer.reread`). Before each, `compute_s` seconds of computing (on the CPU) stand in for the
         layer's share of the decode step: a thread that has just been computing and then waits on a disk read
         is scheduled back later than one reading back to back, and the loop's reads always follow compute.
         """
@@ -1105,40 +1121,91 @@ def offload_cost(
     return OffloadCost(total, disk_bytes, terms)
 
 
-def _median_se(values: list[float]) -> float:
-    """Standard error of the median of `values`, from their interquartile range (robust to the odd slow step):
-    sigma ~ IQR / 1.349, and the median's error is sqrt(pi / 2) sigma / sqrt(n) for a normal sample."""
-    if len(values) < 2:
-        return 0.0
-    q1, q3 = _quartiles(values)
-    return math.sqrt(math.pi / 2) * (q3 - q1) / 1.349 / math.sqrt(len(values))
+def median_interval(values: Sequence[float], confidence: float = 0.99) -> tuple[float, float]:
+    """A distribution-free confidence interval for the median of the population `values` were drawn from.
 
-
-def _quartiles(values: list[float]) -> tuple[float, float]:
+    The k-th smallest and the k-th largest of n values bracket the median with probability
+    1 - 2 P(Binomial(n, 1/2) <= k - 1), whatever the distribution (the sign test); k is the largest for which
+    that is at least `confidence`. Needs enough values for any k to qualify (8 at 0.99)."""
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    n = len(values)
+    tail, k = 0.0, 0
+    while k < n // 2:
+        tail += math.comb(n, k) / 2**n
+        if 2 * tail > 1 - confidence:
+            break
+        k += 1
+    if k == 0:
+        raise ValueError(f"{n} values are too few for a {confidence:.0%} interval of their median")
     ordered = sorted(values)
-    n = len(ordered) - 1
+    return ordered[k - 1], ordered[n - k]
 
-    def at(q: float) -> float:
-        pos = q * n
-        lo = math.floor(pos)
-        hi = min(lo + 1, n)
-        return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
-    return at(0.25), at(0.75)
+class SyncedLayer(DynamicLayer):
+    """An ordinary in-memory transformers layer that waits for the device where a tier layer does.
+
+    A layer on the host tier or on disk starts its update by copying the new token's K and V to the host, a copy
+    that waits for all the work queued on the GPU; the next layer's kernels then start on an idle device. In the
+    in-memory reference the offloaded layers are these, so that its step drains the GPU at the same points and
+    differs from the offloaded step only by what the layers do with their K/V. On a CPU there is nothing to wait
+    for and this is a plain `DynamicLayer`. `reappend` times the last update's concatenation again.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._appended = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if key_states.device.type == "cuda":
+            torch.cuda.synchronize(key_states.device)
+        self._appended = key_states.shape[-2]
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def reappend(self, clock: Callable[[], float] = time.perf_counter) -> float:
+        """Seconds of the copy the last update made, appending its new K and V to the history, made again."""
+        if not self.is_initialized or not self._appended or self.keys is None or self.values is None:
+            return 0.0
+        device = self.keys.device
+        sync = _cuda_sync(device) if device.type == "cuda" else _nothing
+        n = self._appended
+        sync()
+        start = clock()
+        torch.cat([self.keys[..., :-n, :], self.keys[..., -n:, :]], dim=-2)
+        torch.cat([self.values[..., :-n, :], self.values[..., -n:, :]], dim=-2)
+        sync()
+        return clock() - start
+
+
+def memory_reference(config: PretrainedConfig, offload_layers: Iterable[int]) -> DynamicCache:
+    """The in-memory cache an offloaded one is compared with: `DynamicCache(config=config)`, its layers at
+    `offload_layers` `SyncedLayer`s."""
+    cache = DynamicCache(config=config)
+    count = len(cache.layers)
+    for index in _check_layers(offload_layers, count):
+        cache.layers[index] = SyncedLayer()
+    return cache
 
 
 @dataclass
 class OffloadTiming:
-    """One context's offload measurement: the in-memory and offloaded loops in lockstep, and after every step the
-    offloaded cache's transfers repeated alone (`OffloadedCache.reread`), under the same load."""
+    """One context's offload measurement: the in-memory and offloaded loops in lockstep, and after every step, under
+    the same load, the in-memory layers' appends (`SyncedLayer.reappend`) and the offloaded layers' tier work
+    (`OffloadedCache.reread`) repeated alone."""
 
     context: int
-    memory: DecodeRun  # the compute-only step: every layer in device memory
+    memory: DecodeRun  # the in-memory reference (`memory_reference`)
     offloaded: DecodeRun
     transfer_bytes: list[int]  # bytes each repeated transfer moved
     transfer_s: list[float]  # seconds each took
+    append_s: list[float]  # seconds of the reference's appends to the offloaded layers' histories, repeated
     disk_bytes: int  # bytes of the offloaded layers on disk at the last step (tier "disk"; else 0)
     others: list[DecodeRun] = field(default_factory=list)  # further caches decoded in lockstep
+
+    @property
+    def compute_s(self) -> list[float]:
+        """Each in-memory step less its appends to the offloaded layers: what both loops do alike."""
+        return [m - a for m, a in zip(self.memory.step_s, self.append_s, strict=True)]
 
     @property
     def bandwidth(self) -> TierBandwidth:
@@ -1166,8 +1233,9 @@ def time_offload(
     others: Iterable[Cache | None] = (),
     compute_s: float | None = None,
 ) -> OffloadTiming:
-    """Decode `input_ids` with the in-memory cache, `cache` and `others` in lockstep, and after each step repeat
-    `cache`'s transfers alone, timed (`OffloadedCache.reread`).
+    """Decode `input_ids` with the in-memory reference (`memory_reference`), `cache` and `others` in lockstep,
+    and after each step repeat the reference's appends to the offloaded layers and `cache`'s tier work alone,
+    timed (`SyncedLayer.reappend`, `OffloadedCache.reread`).
 
     `compute_s` is the computing done before each repeated transfer; by default, on a CPU, the in-memory step's
     median so far divided by the layer count (each offloaded layer's read follows its share of the step), on a
@@ -1176,12 +1244,16 @@ def time_offload(
     device = model.device
     clock = step_clock(device)
     layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    memory = memory_reference(model.config, cache.offload_layers)
+    synced = [layer for layer in memory.layers if isinstance(layer, SyncedLayer)]
     memory_steps: list[float] = []
     moved: list[int] = []
     seconds: list[float] = []
+    appends: list[float] = []
 
     def repeat_transfers(step_s: list[float]) -> None:
         memory_steps.append(step_s[0])
+        appends.append(sum(layer.reappend(clock) for layer in synced))
         burst = compute_s
         if burst is None:
             burst = 0.0 if device.type == "cuda" else median(memory_steps) / layers
@@ -1190,14 +1262,14 @@ def time_offload(
         seconds.append(s)
 
     runs = decode_lockstep(
-        model, input_ids, new_tokens, [None, cache, *others], after_step=repeat_transfers, clock=clock
+        model, input_ids, new_tokens, [memory, cache, *others], after_step=repeat_transfers, clock=clock
     )
     disk_bytes = sum(
         layer.disk_tokens * _record_bytes(*layer._shape, layer._dtype)
         for layer in cache.layers
         if isinstance(layer, DiskLayer)
     )
-    return OffloadTiming(input_ids.shape[1], runs[0], runs[1], moved, seconds, disk_bytes, runs[2:])
+    return OffloadTiming(input_ids.shape[1], runs[0], runs[1], moved, seconds, appends, disk_bytes, runs[2:])
 
 
 @dataclass(frozen=True)
@@ -1206,11 +1278,13 @@ class OffloadFit:
     allows. No overlap: the loop transfers and computes one after the other, so predicted = compute + transfer."""
 
     context: int
-    compute_s: float  # median in-memory step: the compute-only step, measured interleaved
+    compute_s: float  # median in-memory step less its appends to the offloaded layers: the compute-only step
     cost: OffloadCost  # the transfer term, from the bandwidth of the loop's own transfers repeated between steps
     measured_s: float  # median offloaded step
     low_s: float
     high_s: float
+    memory_s: float = 0.0  # median in-memory step, appends included
+    confidence: float = 0.99
     overlap: bool = False
 
     @property
@@ -1251,43 +1325,140 @@ def fit_offload(
     batch_size: int = 1,
     dtype: DType = "fp32",
     block_tokens: int | None = None,
-    z: float = 2.0,
-    floor: float = 0.03,
+    confidence: float = 0.99,
 ) -> OffloadFit:
     """The cost model against one `time_offload` measurement.
 
-    The prediction is the median in-memory step plus `offload_cost` at the loop's middle context over the median
-    bandwidth of the repeated transfers (they use the loop's request sizes, so per-request latency is in that
-    figure). No overlap is modelled, because the loop has none.
+    compute: the median in-memory step less the in-memory layers' appends to the histories of the layers that
+    are offloaded (an offloaded layer does not concatenate; it reorders what the tier delivered, which the
+    transfer term times). transfer: `offload_cost` at the loop's middle context over the median bandwidth of the
+    repeated tier work (the loop's request sizes, so per-request latency is in that figure). No overlap is
+    modelled, because the loop has none.
 
-    The band comes from the spread of the repeats. Each step gives one prediction, its in-memory step plus the
-    transfer repeated right after it (same load); the band runs from the first to the third quartile of these
-    per-step predictions, widened on each side by `z` standard errors of the measured median (from its
-    interquartile range), and is at least `floor` of the prediction on each side: the model leaves out appending the
-    new token to the tier and the difference between the offloaded layer's reordering copy and the in-memory
-    layer's concatenation, each under a few per cent of a step.
+    The band is a test of equal medians, with no allowance a machine or device would have to justify: the
+    measured median's distribution-free `confidence` interval (`median_interval`) and the prediction's (from the
+    per-step predictions, each step's compute plus the transfer repeated right after it, same load) must
+    overlap. Placed around the prediction: the measured median must lie within the prediction's interval widened
+    by the measured median's, below by (its upper edge - median), above by (median - its lower edge). Where the
+    model is right, the two intervals miss each other less often than either misses its own median.
     """
-    if not z > 0:
-        raise ValueError(f"z must be positive, got {z!r}")
-    if not 0 <= floor < 1:
-        raise ValueError(f"floor must be a fraction in [0, 1), got {floor!r}")
     steps = len(timing.offloaded.step_s)
-    if steps < 4:
-        raise ValueError(f"fit_offload needs at least 4 decode steps, got {steps}")
+    if steps < 8:
+        raise ValueError(f"fit_offload needs at least 8 decode steps, got {steps}")
     context = timing.context + steps // 2 + 1  # the history grows by one token per step: the middle step's
     hop = "disk" if tier == "disk" else "h2d"
     cost = offload_cost(
         config, context, offloaded_layers, tier, {hop: timing.bandwidth.median_bytes_per_s},
         batch_size=batch_size, dtype=dtype, block_tokens=block_tokens,
     )  # fmt: skip
-    compute = timing.memory.median_step_s
+    compute = median(timing.compute_s)
     predicted = compute + cost.seconds
-    per_step = [m + t for m, t in zip(timing.memory.step_s, timing.transfer_s, strict=True)]
-    q1, q3 = _quartiles(per_step)
-    error = z * _median_se(timing.offloaded.step_s)
-    low = min(q1 - error, predicted * (1 - floor))
-    high = max(q3 + error, predicted * (1 + floor))
-    return OffloadFit(timing.context, compute, cost, timing.offloaded.median_step_s, low, high)
+    per_step = [c + t for c, t in zip(timing.compute_s, timing.transfer_s, strict=True)]
+    p_low, p_high = median_interval(per_step, confidence)
+    centre = median(per_step)
+    measured = timing.offloaded.median_step_s
+    m_low, m_high = median_interval(timing.offloaded.step_s, confidence)
+    low = predicted - (centre - p_low) - (m_high - measured)
+    high = predicted + (p_high - centre) + (measured - m_low)
+    return OffloadFit(
+        timing.context, compute, cost, measured, low, high, timing.memory.median_step_s, confidence
+    )
+
+
+def random_prompt(vocab_size: int, batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    """`batch` prompts of `length` ids drawn from [2, vocab_size), seeded by `seed + length`: the same prompt
+    at a given length in every run."""
+    generator = torch.Generator().manual_seed(seed + length)
+    return torch.randint(2, vocab_size, (batch, length), generator=generator)
+
+
+@dataclass(frozen=True)
+class OffloadSweep:
+    """One measurement of the offloaded decode loop at each context: the timings and the fits."""
+
+    tier: str
+    offloaded: tuple[int, ...]
+    timings: dict[int, OffloadTiming]
+    fits: dict[int, OffloadFit]
+
+    @property
+    def tokens(self) -> int:
+        """Greedy tokens per loop, all contexts and sequences: every loop produced these same tokens."""
+        return sum(len(seq) for t in self.timings.values() for seq in t.memory.tokens)
+
+
+def measure_offload(
+    model: Any,
+    contexts: Sequence[int],
+    offloaded: Sequence[int],
+    tier: str,
+    new_tokens: int,
+    batch: int = 1,
+    seed: int = 0,
+    transformers_offloading: bool = False,
+    make_cache: Callable[..., OffloadedCache] = OffloadedCache,
+) -> OffloadSweep:
+    """`time_offload` and `fit_offload` at every context, on `random_prompt`s: one measurement of the claim.
+
+    With `transformers_offloading`, transformers' `DynamicCache(offloading=True)` decodes in lockstep too (GPU
+    only). `make_cache(config, layers, tier=...)` builds the offloaded cache (a test can hand in a wrong one).
+    The loops must produce the same greedy tokens: moving bytes changes no value, so a difference is a bug,
+    not noise, and raises."""
+    config = model.config
+    vocab = config.get_text_config(decoder=True).vocab_size
+    timings, fits = {}, {}
+    for context in contexts:
+        with make_cache(config, list(offloaded), tier=tier) as cache:
+            others = [DynamicCache(config=config, offloading=True)] if transformers_offloading else []
+            ids = random_prompt(vocab, batch, context, seed)
+            timing = time_offload(model, ids, new_tokens, cache, others)
+            layer = cache.layers[offloaded[0]]
+            block_tokens = layer.block_tokens if isinstance(layer, DiskLayer) else None
+        runs = [timing.offloaded, *timing.others]
+        if any(run.tokens != timing.memory.tokens for run in runs):
+            raise AssertionError(f"context {context}: a loop's tokens differ from the in-memory loop's")
+        timings[context] = timing
+        fits[context] = fit_offload(timing, config, len(offloaded), tier, batch, model.dtype, block_tokens)
+    return OffloadSweep(tier, tuple(offloaded), timings, fits)
+
+
+def check_offload(sweep: OffloadSweep, min_share: float = 0.2) -> list[claims.Check]:
+    """The claim on one `measure_offload`: at the longest context the transfer is at least `min_share` of the
+    step and the offloaded step is longer than the compute-only one; at every context where the transfer is that large,
+    the measured median step is in the band around compute + transfer (`fit_offload`), and the band is narrower
+    than the transfer term, so that it tells a loop that pays for its transfers from one that does not."""
+    fits = [sweep.fits[c] for c in sorted(sweep.fits)]
+    last = fits[-1]
+    checks = [
+        claims.Check(
+            f"{last.context} tokens: transfer at least {min_share:.0%} of the predicted step",
+            last.transfer_share >= min_share,
+            f"{last.transfer_share:.0%}",
+        ),
+        claims.less(
+            f"{last.context} tokens: compute-only step shorter than the offloaded step (ms)",
+            last.compute_s * 1e3,
+            last.measured_s * 1e3,
+        ),
+    ]
+    for f in fits:
+        if f.transfer_share >= min_share:
+            checks.append(
+                claims.between(
+                    f"{f.context} tokens: offloaded step (ms) in the band around compute + transfer",
+                    f.measured_s * 1e3,
+                    f.low_s * 1e3,
+                    f.high_s * 1e3,
+                )  # fmt: skip
+            )
+            checks.append(
+                claims.less(
+                    f"{f.context} tokens: band width below the transfer term (ms)",
+                    (f.high_s - f.low_s) * 1e3,
+                    f.transfer_s * 1e3,
+                )  # fmt: skip
+            )
+    return checks
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1438,3 +1609,76 @@ def load_kv(saved: SavedKV, device: str | torch.device | None = None) -> Dynamic
         data.append((kv[0], kv[1]))
         offset += n + (-n % ALIGN)
     return DynamicCache(data)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Recompute or reload, timed
+
+
+@torch.inference_mode()
+def prefill_cache(model: Any, input_ids: torch.Tensor) -> DynamicCache:
+    """The prefill of `input_ids` (on the model's device), its K/V in a new `DynamicCache`, the device synced."""
+    cache = DynamicCache(config=model.config)
+    model(input_ids.to(model.device), cache=cache, use_cache=True, logits_to_keep=1)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    return cache
+
+
+@dataclass(frozen=True)
+class ReloadTiming:
+    """One measurement of recompute against reload for one prompt: the best of `repeat` runs of each."""
+
+    saved: SavedKV  # the saved cache (its file is removed after the measurement)
+    recompute_s: float  # the prefill, again
+    reload_s: float  # `load_kv` of the saved cache onto the device
+    same_next_token: bool  # decoding on from the reloaded cache gives the recomputed cache's next token
+
+    @property
+    def speedup(self) -> float:
+        """recompute / reload, measured: above 1, reloading was faster."""
+        return self.recompute_s / self.reload_s
+
+
+@torch.inference_mode()
+def time_reload(
+    model: Any,
+    input_ids: torch.Tensor,
+    repeat: int = 5,
+    directory: str | os.PathLike[str] | None = None,
+) -> ReloadTiming:
+    """Save the prompt's cache with O_DIRECT (`save_kv`), then time, best of `repeat` after a warm-up
+    (`kvlab.measure.time_call`), running its prefill again and reading the cache back onto the device."""
+    _check_repeat(repeat)
+    device = model.device
+    with scratch_dir(directory) as tmp:
+        saved = save_kv(prefill_cache(model, input_ids), tmp / "prompt.kv")
+        recompute_s = min(time_call(lambda: prefill_cache(model, input_ids), device, repeat))
+        reload_s = min(time_call(lambda: load_kv(saved, device), device, repeat))
+        last = input_ids[:, -1:].to(device)
+        reloaded = model(last, cache=load_kv(saved, device)).logits.argmax(-1)
+        recomputed = model(last, cache=prefill_cache(model, input_ids)).logits.argmax(-1)
+    return ReloadTiming(saved, recompute_s, reload_s, bool(torch.equal(reloaded, recomputed)))
+
+
+def predicted_reload_speedup(estimate: ReloadEstimate, latency_s: float = 0.0) -> float:
+    """recompute / reload as the model predicts it, the reload charged one request's `latency_s` besides its bytes
+    over the link."""
+    if isinstance(latency_s, bool) or not isinstance(latency_s, (int, float)) or latency_s < 0:
+        raise ValueError(f"latency_s must be a non-negative number of seconds, got {latency_s!r}")
+    return estimate.recompute_s / (estimate.reload_s + latency_s)
+
+
+def check_reload(
+    timing: ReloadTiming, estimate: ReloadEstimate, latency_s: float = 0.0
+) -> list[claims.Check]:
+    """The claim on one `time_reload`: the cost model (`recompute_vs_reload`, the reload charged `latency_s`)
+    picks the same winner, recompute or reload, as the stopwatch."""
+    predicted = predicted_reload_speedup(estimate, latency_s)
+    return [
+        claims.Check(
+            "the model picks the same winner as the stopwatch",
+            (predicted > 1) == (timing.speedup > 1),
+            f"recompute / reload predicted {predicted:.2f}x, measured {timing.speedup:.2f}x",
+        )
+    ]
