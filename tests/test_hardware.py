@@ -49,6 +49,25 @@ def test_measure_on_cpu_is_sane():
     assert "CPU" in m.name
 
 
+def test_probes_keep_every_timing_and_report_the_fastest():
+    probe = hardware.CopyProbe("cpu", 2**20)
+    with pytest.raises(ValueError, match="not been timed"):
+        _ = probe.bandwidth_bytes_per_s
+    probe.time(repeat=2)
+    probe.time()
+    assert len(probe.seconds) == 3 and probe.bandwidth_bytes_per_s == 2 * 2**20 / min(probe.seconds)
+    m = hardware.measure("cpu", matmul_size=64, repeat=2, probe=probe)
+    assert len(probe.seconds) == 5 and m.copy_bytes == 2**20
+    assert m.bandwidth_bytes_per_s == probe.bandwidth_bytes_per_s
+    mm = hardware.MatmulProbe("cpu", 64, torch.float32)
+    mm.time(repeat=2)
+    assert mm.flops == 2 * 64**3 / min(mm.seconds)
+    with pytest.raises(ValueError):
+        hardware.CopyProbe("cpu", 1000)
+    with pytest.raises(ValueError):
+        hardware.MatmulProbe("cpu", 0, torch.float32)
+
+
 def test_measure_other_dtype():
     m = hardware.measure("cpu", size_bytes=2**20, matmul_size=128, dtype=torch.bfloat16, repeat=1)
     assert m.flops_dtype == "bfloat16" and m.flops > 0

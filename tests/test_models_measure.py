@@ -96,7 +96,7 @@ def test_cached_and_uncached_decode_agree():
     assert cached.tokens == uncached.tokens
     reference = model.generate(ids, max_new_tokens=5, do_sample=False)[:, 6:].tolist()
     assert cached.tokens == reference
-    cost = decode.step_cost(model, 16, repeat=1)
+    cost = decode.step_flops(model, 16)
     assert cost.uncached_flops == 17 * cost.cached_flops
 
 
@@ -111,11 +111,20 @@ def test_decode_top_ids_and_memory_plan(monkeypatch):
     assert decode.eager_scores_bytes(model, 16385) == 2 * 4 * 16385**2 * 4
     monkeypatch.setattr(decode, "free_memory_bytes", lambda device: 8 * 2**30)
     with pytest.raises(MemoryError, match=r"history 16384 needs about 8 GiB .* 4 heads × 16385²"):
-        decode.step_cost(model, 16384)
+        decode.step_flops(model, 16384)
     decode.check_uncached_step_fits(model, 4096)  # 0.5 GiB: fits
     with pytest.raises(MemoryError, match="history 16384 needs"):
         decode.greedy_decode(model, torch.zeros(1, 16380, dtype=torch.long), 6, use_cache=False)
     sdpa = models.tiny_model("llama", layers=2, hidden=64, heads=4, kv_heads=2, attn_implementation="sdpa")
     decode.check_uncached_step_fits(sdpa, 16384)  # fused attention holds no score matrix
-    costs = [decode.StepCost(L, 1, L + 1, 1e-3, t) for L, t in ((16, 2e-3), (512, 9e-3))]
-    assert decode.work_dominated(costs, 2e-3) == costs[1:]
+    with pytest.raises(MemoryError, match="history 16384 needs"):
+        decode.sweep_recompute(model, [16384])
+
+
+def test_cache_growth_adds_one_token_per_step():
+    model = models.tiny_model("llama", layers=2, hidden=64, heads=4, kv_heads=2)
+    held = measure.cache_growth(model, torch.randint(0, 256, (3, 5)), 4)
+    per_token = 3 * 2 * 2 * 2 * 16 * 4  # batch × layers × (K, V) × kv_heads × head_dim × fp32
+    assert held == [(n, n * per_token) for n in range(5, 10)]
+    with pytest.raises(ValueError, match="steps"):
+        measure.cache_growth(model, torch.zeros(1, 2, dtype=torch.long), -1)

@@ -289,3 +289,10 @@ def test_realistic_takes_measured_ceilings_whole():
     step = roofline.decode_step(LLAMA3, measured, 4, 1024, dtype="bf16")
     realistic = roofline.decode_step_time(LLAMA3, measured, 4, 1024, dtype="bf16", realistic=True)
     assert realistic == pytest.approx(step.time_s + roofline.REALISM.step_overhead_s)
+
+
+def test_compute_bound_prompt_len_is_where_the_prefill_bound_changes():
+    p = roofline.compute_bound_prompt_len(LLAMA3, H100, dtype="bf16")
+    assert roofline.prefill(LLAMA3, H100, 1, p, dtype="bf16").bound == "compute"
+    assert roofline.prefill(LLAMA3, H100, 1, p - 1, dtype="bf16").bound == "memory"
+    assert roofline.compute_bound_prompt_len(LLAMA3, H100, dtype="bf16", longest=p - 1) is None

@@ -3,7 +3,6 @@
 import math
 
 import pytest
-import torch
 from transformers import PretrainedConfig
 
 from kvlab import hardware, timing
@@ -69,10 +68,12 @@ def test_compare_decode_adds_the_measured_overhead_to_the_roofline():
     for b, r in zip(bare, real, strict=True):
         assert b.predicted_s is None and b.prediction_s == b.predicted.time_s
         step = r.predicted
-        # a measured device's ceilings are used whole: max(FLOPs / peak, bytes / bandwidth) + overhead
-        expected = max(step.flops / 40e9, step.bytes / 10e9) + 2e-3
+        # a measured device's ceilings are used whole: max(FLOPs / peak, bytes / bandwidth) + overhead, plus
+        # the DynamicCache's append copy (the cache read and written anew) at the bandwidth
+        expected = max(step.flops / 40e9, step.bytes / 10e9) + 2e-3 + 2 * step.kv_bytes / 10e9
         assert r.prediction_s == pytest.approx(expected)
         assert r.best_ratio == r.measured.best_s / expected and r.ratio == r.measured.median_s / expected
+        assert r.overhead_s == 2e-3 and r.work_s == pytest.approx(expected - 2e-3)
 
 
 def test_rounds_collect_repeat_steps_per_round_at_every_point():
@@ -88,12 +89,3 @@ def test_best_ratio_uses_the_fastest_step():
     step = decode_step("meta-llama/Llama-3.1-8B", "H100-SXM", 1, 1024, dtype="bf16")
     row = timing.DecodeComparison(timing.StepTiming(1, 1024, (3.0, 1.0, 2.0)), step, predicted_s=0.5)
     assert (row.best_ratio, row.ratio) == (2.0, 4.0)
-
-
-def test_cpu_load_per_core(monkeypatch):
-    monkeypatch.setattr(timing.os, "getloadavg", lambda: (6.0, 0.0, 0.0))
-    monkeypatch.setattr(timing.os, "cpu_count", lambda: 4)
-    assert timing.cpu_load_per_core(torch.device("cpu")) == 1.5
-    assert (
-        timing.cpu_load_per_core(torch.device("meta")) == 0.0
-    )  # not a CPU: host load does not slow its steps

@@ -239,11 +239,70 @@ def _host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+class CopyProbe:
+    """A large device-to-device copy kept ready to time again and again: the bandwidth ceiling, re-measured.
+
+    A measurement taken once, before a timed sweep, can fall in a burst of other work on a shared machine while
+    the sweep does not (or the other way round); timing the probe between the sweep's rounds puts the ceiling
+    and the steps it predicts under the same conditions (`kvlab.timing.sweep_decode`).
+    """
+
+    def __init__(self, device: str | torch.device | None = None, size_bytes: int = 256 * 2**20) -> None:
+        if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes < 2**20:
+            raise ValueError(f"size_bytes must be an integer >= 1 MiB, got {size_bytes!r}")
+        self.device = pick_device(device)
+        # ones, not empty: every page is touched before the first timed copy
+        self.src = torch.ones(size_bytes // 4, dtype=torch.float32, device=self.device)
+        self.dst = torch.empty_like(self.src)
+        self.seconds: list[float] = []
+
+    @property
+    def nbytes(self) -> int:
+        return self.src.nbytes
+
+    def time(self, repeat: int = 1, warmup: int = 0) -> float:
+        """Time `repeat` copies (after `warmup` untimed ones), keep them, and return the fastest."""
+        times = time_call(lambda: self.dst.copy_(self.src), self.device, repeat=repeat, warmup=warmup)
+        self.seconds.extend(times)
+        return min(times)
+
+    @property
+    def bandwidth_bytes_per_s(self) -> float:
+        """Bytes read + written over the fastest copy timed so far (STREAM's count: 2 × the buffer)."""
+        if not self.seconds:
+            raise ValueError("the probe has not been timed yet")
+        return 2 * self.nbytes / min(self.seconds)
+
+
+class MatmulProbe:
+    """An n × n by n × n matmul kept ready to time again and again: the compute ceiling, re-measured (see
+    `CopyProbe`)."""
+
+    def __init__(self, device: str | torch.device | None, n: int, dtype: torch.dtype) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"matmul_size must be a positive integer, got {n!r}")
+        self.device, self.n = pick_device(device), n
+        self.a = torch.randn(n, n, device=self.device).to(dtype)
+        self.b = torch.randn(n, n, device=self.device).to(dtype)
+        self.seconds: list[float] = []
+
+    def time(self, repeat: int = 1, warmup: int = 0) -> float:
+        times = time_call(lambda: self.a @ self.b, self.device, repeat=repeat, warmup=warmup)
+        self.seconds.extend(times)
+        return min(times)
+
+    @property
+    def flops(self) -> float:
+        """2n³ FLOP over the fastest matmul timed so far."""
+        if not self.seconds:
+            raise ValueError("the probe has not been timed yet")
+        return 2 * self.n**3 / min(self.seconds)
+
+
 def _copy_seconds(device: torch.device, size_bytes: int, repeat: int) -> tuple[float, int]:
     """Best time of `dst.copy_(src)` for fp32 buffers of `size_bytes`, and the bytes copied."""
-    src = torch.ones(size_bytes // 4, dtype=torch.float32, device=device)  # ones, not empty: touch every page
-    dst = torch.empty_like(src)
-    return min(time_call(lambda: dst.copy_(src), device, repeat=repeat, warmup=1)), src.nbytes
+    probe = CopyProbe(device, size_bytes)
+    return probe.time(repeat=repeat, warmup=1), probe.nbytes
 
 
 def _host_link(device: torch.device, size_bytes: int, repeat: int) -> float:
@@ -256,9 +315,7 @@ def _host_link(device: torch.device, size_bytes: int, repeat: int) -> float:
 
 
 def _matmul_seconds(device: torch.device, n: int, dtype: torch.dtype, repeat: int) -> float:
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    return min(time_call(lambda: a @ b, device, repeat=repeat, warmup=1))
+    return MatmulProbe(device, n, dtype).time(repeat=repeat, warmup=1)
 
 
 def measure(
@@ -267,6 +324,7 @@ def measure(
     matmul_size: int | None = None,
     dtype: torch.dtype | None = None,
     repeat: int = 5,
+    probe: CopyProbe | None = None,
 ) -> Measurement:
     """Achieved memory bandwidth and matmul FLOP/s of `device` (default: cuda if any, else cpu).
 
@@ -276,7 +334,11 @@ def measure(
     (a T4), fp32 on CPU, the dtype the CPU labs run their models in (CPUs with AMX run bf16 several times
     faster: pass `dtype=torch.bfloat16` to see it). Each figure is the best of `repeat`
     runs, as STREAM reports: the ceiling, not the typical run. On CPU the defaults take about a second.
+    With `probe` (a `CopyProbe` kept to be timed again later), the copy is the probe's, of its size, and the
+    bandwidth the fastest of every copy the probe has timed so far.
     """
+    if probe is not None:
+        size_bytes = probe.nbytes
     if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes < 2**20:
         raise ValueError(f"size_bytes must be an integer >= 1 MiB, got {size_bytes!r}")
     if repeat < 1:
@@ -288,7 +350,11 @@ def measure(
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"matmul_size must be a positive integer, got {n!r}")
 
-    copy_s, copied = _copy_seconds(device, size_bytes, repeat)
+    if probe is None:
+        copy_s, copied = _copy_seconds(device, size_bytes, repeat)
+    else:
+        probe.time(repeat=repeat, warmup=1)
+        copy_s, copied = min(probe.seconds), probe.nbytes
     host_link = _host_link(device, size_bytes, repeat) if gpu else None
     matmul_s = _matmul_seconds(device, n, dtype, repeat)
     flops_dtype = str(dtype).removeprefix("torch.")

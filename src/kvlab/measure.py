@@ -1,6 +1,7 @@
 """Measuring what the cache holds, how much memory a step takes, and how long it takes.
 
-- `cache_inventory` / `cache_tensor_bytes`: every tensor a transformers `Cache` object keeps, and their bytes.
+- `cache_inventory` / `cache_tensor_bytes`: every tensor a transformers `Cache` object keeps, and their bytes;
+  `cache_growth`: those bytes after a prefill and after each decode step.
 - `module_kv_bytes_per_token` / `expected_pool_bytes`: what a KV cache must hold per token, read from the model's
   own attention modules (the output sizes of each K and V projection), not from its config: the expectation that
   a pool's bytes, measured from its tensors, are checked against (`tensor_bytes` counts those).
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import DynamicCache, PreTrainedModel
 
 from kvlab.env import pick_device
 
@@ -99,6 +101,21 @@ def cache_tensor_bytes(cache: Any, storage: bool = False) -> int:
                 st = tensor.untyped_storage()
                 seen[(st.data_ptr(), st.nbytes())] = st.nbytes()
     return sum(seen.values())
+
+
+@torch.inference_mode()
+def cache_growth(model: PreTrainedModel, ids: torch.Tensor, steps: int) -> list[tuple[int, int]]:
+    """(tokens held per sequence, bytes of the cache's K/V tensors) after a prefill of `ids` (batch, prompt)
+    into a fresh `DynamicCache`, then after each of `steps` greedy decode steps."""
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    cache = DynamicCache(config=model.config)
+    out = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+    held = [(ids.shape[1], cache_tensor_bytes(cache))]
+    for _ in range(steps):
+        out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+        held.append((held[-1][0] + 1, cache_tensor_bytes(cache)))
+    return held
 
 
 def module_kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:

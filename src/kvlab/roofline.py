@@ -370,6 +370,31 @@ def prefill_time(
     return realistic_time(step, hw, _dtypes(config, dtype, kv_dtype)[0], realism)
 
 
+def compute_bound_prompt_len(
+    config: Config, hw: Hardware, batch_size: int = 1, dtype: DType = None, longest: int = 2**24
+) -> int | None:
+    """The shortest prompt whose prefill is compute-bound on `hw` (None if none up to `longest` tokens).
+
+    Below it the prefill costs about its weight read, whatever the prompt's length: the fixed floor of the
+    time to first token. The compute term grows with the prompt faster than the memory term, so the bound
+    changes once, and a bisection finds the change.
+    """
+    check_count("longest", longest)
+
+    def compute_bound(prompt_len: int) -> bool:
+        return prefill(config, hw, batch_size, prompt_len, dtype).bound == "compute"
+
+    if compute_bound(1):
+        return 1
+    if not compute_bound(longest):
+        return None
+    lo, hi = 1, longest
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if compute_bound(mid) else (mid, hi)
+    return hi
+
+
 def critical_batch_size(
     config: Config, hw: Hardware, context_len: int = 1, dtype: DType = None, kv_dtype: DType = None
 ) -> float | None:

@@ -15,18 +15,27 @@ Chapters: *Prefill and decode* (book/03_prefill_decode), *Why decode is bandwidt
 from __future__ import annotations
 
 import copy
-import os
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, PreTrainedModel
 
+from kvlab import hardware
 from kvlab.arch import describe
+from kvlab.claims import Check, between, less
 from kvlab.hardware import Accelerator, Measurement
 from kvlab.measure import Timer, percentiles
-from kvlab.roofline import REALISM, Realism, StepEstimate, decode_step, realistic_time
-from kvlab.sizing import check_count
+from kvlab.roofline import (
+    REALISM,
+    Realism,
+    StepEstimate,
+    critical_batch_size,
+    decode_step,
+    realistic_time,
+)
+from kvlab.sizing import check_count, weight_bytes
 
 
 @dataclass(frozen=True)
@@ -121,30 +130,57 @@ def measure_prefill(
     check_count("repeat", repeat)
     check_count("warmup", warmup, 0)
     ids = random_ids(model, batch_size, prompt_len, seed)
-    times = []
-    for i in range(warmup + repeat):
-        cache = DynamicCache(config=model.config)
-        with Timer(model.device) as timer:
-            model(ids, cache=cache, use_cache=True, logits_to_keep=1)
-        if i >= warmup:
-            times.append(timer.seconds)
-        del cache
-    return StepTiming(batch_size, prompt_len, tuple(times))
+    times = [_prefill_once(model, ids) for _ in range(warmup + repeat)]
+    return StepTiming(batch_size, prompt_len, tuple(times[warmup:]))
+
+
+@torch.inference_mode()
+def _prefill_once(model: PreTrainedModel, ids: torch.Tensor) -> float:
+    """Seconds of one prefill of `ids` into a fresh cache, in one forward pass (logits of the last token only)."""
+    cache = DynamicCache(config=model.config)
+    with Timer(model.device) as timer:
+        model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+    return timer.seconds
+
+
+def append_copy_bytes(step: StepEstimate) -> float:
+    """Bytes a `DynamicCache` moves to append one token per sequence, beyond the read the roofline counts:
+    `torch.cat` reads the whole cache and writes it anew, 2 × the step's KV bytes (read + written, as
+    `kvlab.hardware.measure` counts a copy). A paged engine writes one slot instead; the benches here time the
+    `DynamicCache` transformers generates with, so their prediction includes it."""
+    return 2 * step.kv_bytes
+
+
+def predict_bench_step(
+    step: StepEstimate, hw: Accelerator | Measurement, dtype: torch.dtype, realism: Realism
+) -> float:
+    """Predicted seconds of a decode step as this module times it: `kvlab.roofline.realistic_time` (the larger
+    of compute and memory terms, plus the per-step overhead) plus the cache's append copy at the bandwidth."""
+    measured = isinstance(hw, Measurement)
+    bandwidth = hw.bandwidth_bytes_per_s * (1.0 if measured else realism.bandwidth_efficiency)
+    return realistic_time(step, hw, dtype, realism) + append_copy_bytes(step) / bandwidth
 
 
 @dataclass(frozen=True)
 class DecodeComparison:
-    """A measured decode step beside its prediction: the roofline bound, plus a fixed per-step overhead when one
-    was given (`predicted_s`, from `kvlab.roofline.realistic_time`)."""
+    """A measured decode step beside its prediction: the roofline bound, or with a per-step overhead given the
+    bench's realistic prediction (`predicted_s`, from `predict_bench_step`)."""
 
     measured: StepTiming
     predicted: StepEstimate
     predicted_s: float | None = None  # None: the bare roofline bound, `predicted.time_s`
+    overhead_s: float = 0.0  # the fixed per-step cost inside `predicted_s`
 
     @property
     def prediction_s(self) -> float:
         """Predicted seconds of the step: the realistic time if one was computed, else the roofline bound."""
         return self.predicted.time_s if self.predicted_s is None else self.predicted_s
+
+    @property
+    def work_s(self) -> float:
+        """The predicted seconds of the step's own work: the prediction less the fixed per-step overhead (the
+        roofline bound, plus the cache's append copy in a realistic prediction)."""
+        return self.prediction_s - self.overhead_s
 
     @property
     def ratio(self) -> float:
@@ -155,6 +191,19 @@ class DecodeComparison:
     def best_ratio(self) -> float:
         """Fastest measured step over predicted: the run least disturbed by other work on the machine."""
         return self.measured.best_s / self.prediction_s
+
+
+def _compare(
+    model: PreTrainedModel,
+    hw: Accelerator | Measurement,
+    timing: StepTiming,
+    realism: Realism | None,
+) -> DecodeComparison:
+    step = decode_step(model.config, hw, timing.batch_size, timing.tokens, dtype=model.dtype)
+    if realism is None:
+        return DecodeComparison(timing, step)
+    predicted = predict_bench_step(step, hw, model.dtype, realism)
+    return DecodeComparison(timing, step, predicted, realism.step_overhead_s)
 
 
 def compare_decode(
@@ -171,31 +220,44 @@ def compare_decode(
     """Time decode steps of `model` at every (batch, context) pair and predict each with `kvlab.roofline`.
 
     Pass `hw = kvlab.hardware.measure(device)` measured on the same device (and thread count) as the model,
-    right before. With `realism` (e.g. `measure_step_overhead(model, hw).realism()`), each prediction is
-    `kvlab.roofline.realistic_time`: with a measured `hw`, max(FLOPs / peak, bytes / bandwidth) plus the
-    per-step overhead. `rounds` > 1 spreads each point's `repeat` steps over that many passes through all the
-    points (every cache stays allocated between passes), so a burst of load from other processes slows one
-    round of every point instead of every step of one point; a point's best is then the fastest of
-    `rounds × repeat` steps taken at different times.
+    right before (`sweep_decode` measures the ceilings between the steps instead). With `realism` (e.g.
+    `measure_step_overhead(model, hw).realism()`), each prediction is `predict_bench_step`: with a measured
+    `hw`, max(FLOPs / peak, bytes / bandwidth) plus the per-step overhead plus the cache's append copy.
+    `rounds` > 1 spreads each point's `repeat` steps over that many passes through all the points (every cache
+    stays allocated between passes), so a burst of load from other processes slows one round of every point
+    instead of every step of one point; a point's best is then the fastest of `rounds × repeat` steps taken at
+    different times.
     """
     check_count("rounds", rounds)
     check_count("repeat", repeat)
     check_count("warmup", warmup, 0)
     benches = [_DecodeBench(model, b, c, seed=0) for b in batch_sizes for c in context_lens]
+    pooled = _time_in_rounds(benches, repeat, warmup, rounds)
+    return [_compare(model, hw, timing, realism) for timing in pooled]
+
+
+def _time_in_rounds(
+    benches: Sequence[_DecodeBench],
+    repeat: int,
+    warmup: int,
+    rounds: int,
+    between_rounds: Sequence[Callable[[], object]] = (),
+) -> list[StepTiming]:
+    """`repeat` steps of every bench per round, `rounds` times, after `warmup` steps each; `between_rounds`
+    (other measurements, such as the ceilings) run at the start of every round."""
     for bench in benches:
         for _ in range(warmup):
             bench.step()
     pooled: list[list[float]] = [[] for _ in benches]
     for _ in range(rounds):
+        for measure in between_rounds:
+            measure()
         for bench, seconds in zip(benches, pooled, strict=True):
             seconds.extend(bench.step() for _ in range(repeat))
-    rows = []
-    for bench, seconds in zip(benches, pooled, strict=True):
-        step = decode_step(model.config, hw, bench.batch_size, bench.context_len, dtype=model.dtype)
-        predicted_s = None if realism is None else realistic_time(step, hw, model.dtype, realism)
-        timing = StepTiming(bench.batch_size, bench.context_len, tuple(seconds))
-        rows.append(DecodeComparison(timing, step, predicted_s))
-    return rows
+    return [
+        StepTiming(bench.batch_size, bench.context_len, tuple(seconds))
+        for bench, seconds in zip(benches, pooled, strict=True)
+    ]
 
 
 # --- The fixed per-step overhead, measured ------------------------------------------------------------------------
@@ -251,6 +313,24 @@ class StepOverhead:
         return replace(REALISM if base is None else base, step_overhead_s=self.step_s)
 
 
+def _hollow_twin(model: PreTrainedModel, seed: int) -> PreTrainedModel:
+    """`model`'s hollow twin (`hollow_config`) on its device, dtype and attention implementation."""
+    config = hollow_config(model.config)
+    torch.manual_seed(seed)
+    attn = getattr(model.config, "_attn_implementation", None)
+    hollow = AutoModelForCausalLM.from_config(config, dtype=model.dtype, attn_implementation=attn)
+    torch.nn.Module.to(hollow, model.device)
+    return hollow.eval()
+
+
+def _overhead(
+    hollow: PreTrainedModel, timing: StepTiming, hw: Accelerator | Measurement | None
+) -> StepOverhead:
+    config = hollow.config
+    bound = decode_step(config, hw, 1, 1, dtype=hollow.dtype).time_s if hw is not None else 0.0
+    return StepOverhead(timing, int(config.num_hidden_layers), bound)
+
+
 def measure_step_overhead(
     model: PreTrainedModel,
     hw: Accelerator | Measurement | None = None,
@@ -261,23 +341,305 @@ def measure_step_overhead(
     """Time decode steps of `model`'s hollow twin (same layers and heads, tiny widths; `hollow_config`) on the
     model's device, dtype and attention implementation. With `hw`, the hollow step's roofline bound is
     subtracted (it is microseconds at most)."""
-    config = hollow_config(model.config)
-    torch.manual_seed(seed)
-    attn = getattr(model.config, "_attn_implementation", None)
-    hollow = AutoModelForCausalLM.from_config(config, dtype=model.dtype, attn_implementation=attn)
-    torch.nn.Module.to(hollow, model.device)
-    hollow.eval()
+    hollow = _hollow_twin(model, seed)
     timing = measure_decode_step(hollow, 1, 1, repeat=repeat, warmup=warmup, seed=seed)
-    bound = decode_step(config, hw, 1, 1, dtype=model.dtype).time_s if hw is not None else 0.0
-    return StepOverhead(timing, int(config.num_hidden_layers), bound)
+    return _overhead(hollow, timing, hw)
 
 
-def cpu_load_per_core(device: torch.device) -> float:
-    """Runnable processes per core over the last minute (`os.getloadavg`) when timing on a CPU, else 0.
+# --- Measured claims: the whole measurement of a claim, and its checks (`kvlab.claims.measure_claim`) -------------
+#
+# Each `sweep_*` takes one fresh measurement of everything a claim compares, interleaved in rounds so that a burst
+# of load from other processes slows one round of every quantity instead of all of one; each `check_*` turns it
+# into `kvlab.claims.Check`s. A lab runs them as `claims.measure_claim(name, measure, check, attempts)`.
 
-    Above 1, other processes compete with the timed steps for this CPU, and the steps and the ceilings they are
-    compared with are measured under different contention; a GPU's kernels are not slowed by host load.
+# How much faster than a copy's counted rate a step can move its bytes. `kvlab.hardware.measure` counts a copy's
+# read and write (STREAM's convention), but a CPU cache also reads every destination line before writing it
+# (write-allocate), so the copy moves 3 bytes for each 2 it counts and a step that only reads can beat the
+# counted rate by up to 3/2 (https://www.cs.virginia.edu/stream/ref.html, "counting bytes"). A GPU has no
+# write-allocate; its reads beat its copies by less, so 3/2 bounds both.
+READ_SPEEDUP = 1.5
+
+
+def prediction_floor(row: DecodeComparison, on_cpu: bool, read_speedup: float = READ_SPEEDUP) -> float:
+    """The lowest measured/predicted a true realistic prediction allows for `row`: its work (`row.work_s`) done
+    up to `read_speedup` times faster than predicted, and the fixed overhead paid in full. On a CPU the host
+    runs every operator in turn, so the two add; on a GPU the host launches while earlier kernels run, so the
+    step takes at least the larger of the two."""
+    work, overhead = row.work_s / read_speedup, row.overhead_s
+    fastest = work + overhead if on_cpu else max(work, overhead)
+    return fastest / row.prediction_s
+
+
+def prediction_band(row: DecodeComparison, on_cpu: bool, ratio_high: float) -> Check:
+    """measured (fastest step) / predicted within [`prediction_floor`, `ratio_high`]."""
+    name = f"batch {row.measured.batch_size}, context {row.measured.tokens}: measured/predicted"
+    return between(name, row.best_ratio, prediction_floor(row, on_cpu), ratio_high)
+
+
+def probe_bytes(model: PreTrainedModel, cap: int = 2**30) -> int:
+    """Size of the copy that measures the bandwidth a step of `model` sees: its weights' bytes (at least 1 MiB,
+    at most `cap`), so the copy's buffers and the step's reads live in the same level of memory: the last-level
+    cache of a CPU for a model that fits there, DRAM or HBM otherwise."""
+    return int(min(max(weight_bytes(model.config, model.dtype), 2**20), cap)) // 4 * 4
+
+
+@dataclass(frozen=True)
+class DecodeSweep:
+    """Decode steps timed in rounds beside the ceilings and the fixed overhead they are predicted from."""
+
+    hw: Measurement  # bandwidth: the fastest probe copy over the whole sweep
+    overhead: StepOverhead  # hollow-twin steps, a few in every round
+    rows: tuple[DecodeComparison, ...]
+    config: PretrainedConfig = field(repr=False)
+    dtype: torch.dtype
+    on_cpu: bool
+
+    def row(self, batch_size: int, context_len: int) -> DecodeComparison:
+        for r in self.rows:
+            if (r.measured.batch_size, r.measured.tokens) == (batch_size, context_len):
+                return r
+        raise KeyError(f"no measured point at batch {batch_size}, context {context_len}")
+
+    def at_contexts(self, contexts: Sequence[int], batch_size: int = 1) -> list[DecodeComparison]:
+        return [self.row(batch_size, c) for c in contexts]
+
+    def at_batches(self, batch_sizes: Sequence[int], context_len: int) -> list[DecodeComparison]:
+        return [self.row(b, context_len) for b in batch_sizes]
+
+
+def decode_points(
+    contexts: Sequence[int], batch_sizes: Sequence[int] = (), batch_context: int = 1
+) -> list[tuple[int, int]]:
+    """(batch, context) points: every context at batch 1, then every batch at `batch_context`, each once."""
+    points = [(1, c) for c in contexts] + [(b, batch_context) for b in batch_sizes]
+    return list(dict.fromkeys(points))
+
+
+def sweep_decode(
+    model: PreTrainedModel,
+    points: Sequence[tuple[int, int]],
+    repeat: int = 3,
+    rounds: int = 5,
+    warmup: int = 2,
+    *,
+    copy_bytes: int | None = None,
+    hw_repeat: int = 5,
+    seed: int = 0,
+) -> DecodeSweep:
+    """One measurement of decode steps against their realistic prediction, everything interleaved.
+
+    The ceilings are measured first (`kvlab.hardware.measure`); then each of `rounds` rounds times one copy of
+    `copy_bytes` (default `probe_bytes(model)`: the bandwidth) and one square matmul (the peak), then `repeat`
+    steps of the hollow twin (the fixed overhead) and of every (batch, context) point. Each quantity is the
+    fastest over all rounds (noise only ever adds time), and each step is predicted by `predict_bench_step`.
     """
-    if device.type != "cpu":
-        return 0.0
-    return os.getloadavg()[0] / (os.cpu_count() or 1)
+    check_count("repeat", repeat)
+    check_count("rounds", rounds)
+    check_count("warmup", warmup, 0)
+    device, dtype = model.device, model.dtype
+    probe = hardware.CopyProbe(device, probe_bytes(model) if copy_bytes is None else copy_bytes)
+    peak = hardware.measure(device, dtype=dtype, repeat=hw_repeat, probe=probe)
+    matmul = hardware.MatmulProbe(device, peak.matmul_size, dtype)
+    hollow = _hollow_twin(model, seed)
+    benches = [_DecodeBench(hollow, 1, 1, seed)] + [_DecodeBench(model, b, c, seed) for b, c in points]
+    timings = _time_in_rounds(benches, repeat, warmup, rounds, [probe.time, matmul.time])
+    flops = max(peak.flops, matmul.flops)
+    hw = replace(peak, bandwidth_bytes_per_s=probe.bandwidth_bytes_per_s, flops=flops)
+    overhead = _overhead(hollow, timings[0], hw)
+    realism = overhead.realism()
+    rows = tuple(_compare(model, hw, timing, realism) for timing in timings[1:])
+    return DecodeSweep(hw, overhead, rows, model.config, dtype, device.type == "cpu")
+
+
+def _ratio_band(rows: Sequence[DecodeComparison], on_cpu: bool, ratio_high: float | None) -> list[Check]:
+    """`prediction_band` at every row, or only its lower end where `ratio_high` is None."""
+    if ratio_high is not None:
+        return [prediction_band(r, on_cpu, ratio_high) for r in rows]
+    return [prediction_band(r, on_cpu, math.inf) for r in rows]
+
+
+def _check_batch_one(batch_sizes: Sequence[int]) -> None:
+    if not batch_sizes or batch_sizes[0] != 1:
+        raise ValueError(f"batch_sizes must start at 1 (the reference step), got {list(batch_sizes)}")
+
+
+def check_context_growth(
+    sweep: DecodeSweep,
+    contexts: Sequence[int],
+    batch_sizes: Sequence[int],
+    batch_context: int,
+    *,
+    min_predicted_growth: float,
+    ratio_high: float,
+) -> list[Check]:
+    """The claims of *Prefill and decode* on one sweep: at every batch-1 context the step within its band
+    (`prediction_band`); on a CPU, sizes at which the step is predicted to grow at least `min_predicted_growth`
+    from the shortest to the longest context (or CI would never check the growth); where it is, the measured
+    step grows by at least half the predicted extra time; and the largest batch costs less than half as many
+    batch-1 steps as it has sequences."""
+    _check_batch_one(batch_sizes)
+    rows = sweep.at_contexts(contexts)
+    checks = _ratio_band(rows, sweep.on_cpu, ratio_high)
+    predicted = rows[-1].prediction_s / rows[0].prediction_s
+    shows = predicted >= min_predicted_growth
+    if sweep.on_cpu:
+        checks.append(
+            Check(
+                "the CPU sizes show the growth",
+                shows,
+                f"predicted {predicted:.2f}x from {contexts[0]} to {contexts[-1]} tokens, "
+                f"needs {min_predicted_growth:g}x",
+            )
+        )
+    if shows:
+        floor = 1 + (predicted - 1) / 2
+        growth = rows[-1].measured.best_s / rows[0].measured.best_s
+        checks.append(
+            Check(
+                "the step grows with the context",
+                growth > floor,
+                f"measured {growth:.2f}x > {floor:.2f}x (half the predicted extra time)",
+            )
+        )
+    batched = sweep.at_batches([batch_sizes[0], batch_sizes[-1]], batch_context)
+    cost = batched[1].measured.best_s / batched[0].measured.best_s
+    checks.append(less(f"batch {batch_sizes[-1]} in batch-1 steps", cost, batch_sizes[-1] / 2))
+    return checks
+
+
+def check_roofline(
+    sweep: DecodeSweep,
+    contexts: Sequence[int],
+    batch_sizes: Sequence[int],
+    batch_context: int,
+    *,
+    dominance: float,
+    ratio_high: float,
+) -> list[Check]:
+    """The claims of *Why decode is bandwidth-bound* on one sweep: at every batch-1 context the step within its
+    band (`prediction_band`), and the steps whose work is at least `dominance` × the overhead (bandwidth-bound)
+    memory-bound on the roofline; on a CPU at least one such step (or CI would never check the claim); at every
+    batch with such work, the lower end of the band (skinny matmuls may run slower, never much faster); and the
+    largest measured batch below the device's critical batch costs less than half as many batch-1 steps as it
+    has sequences."""
+    _check_batch_one(batch_sizes)
+    single = sweep.at_contexts(contexts)
+    checks = _ratio_band(single, sweep.on_cpu, ratio_high)
+    overhead = sweep.overhead.step_s
+    held = [r for r in single if r.work_s >= dominance * overhead]
+    checks += [
+        Check(f"context {r.measured.tokens}: memory-bound on the roofline", r.predicted.bound == "memory")
+        for r in held
+    ]
+    if sweep.on_cpu:
+        largest = max(r.work_s for r in single)
+        detail = f"largest work {largest * 1e3:.2f} ms, overhead {overhead * 1e3:.2f} ms"
+        checks.append(Check(f"a batch-1 step with work >= {dominance:g}x the overhead", bool(held), detail))
+    batched = sweep.at_batches(batch_sizes, batch_context)
+    checks += _ratio_band([r for r in batched if r.work_s >= dominance * overhead], sweep.on_cpu, None)
+    critical = critical_batch_size(sweep.config, sweep.hw, batch_context, dtype=sweep.dtype)
+    below = [r for r in batched if 1 < r.measured.batch_size <= (critical or math.inf)]
+    checks.append(Check("a measured batch below the critical batch", bool(below), f"critical {critical}"))
+    if below:
+        b = below[-1].measured.batch_size
+        cost = below[-1].measured.best_s / batched[0].measured.best_s
+        checks.append(less(f"batch {b} in batch-1 steps", cost, b / 2))
+    return checks
+
+
+# --- Prefill against the prompt length (chapter *Prefill and decode*) --------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefillSweep:
+    """Prefills of every prompt length and single-token decode steps at the shortest, timed in rounds."""
+
+    prefills: tuple[StepTiming, ...]
+    step: StepTiming  # decode steps at the shortest prompt's length
+
+    @property
+    def prompt_lens(self) -> list[int]:
+        return [p.tokens for p in self.prefills]
+
+    @property
+    def ttft(self) -> dict[int, float]:
+        """Fastest prefill per prompt length: the time to first token without queueing or sampling."""
+        return {p.tokens: p.best_s for p in self.prefills}
+
+    @property
+    def growth(self) -> float:
+        """TTFT of the longest prompt over the shortest's."""
+        first, *_, last = self.prefills
+        return last.best_s / first.best_s
+
+    @property
+    def cheapest(self) -> int:
+        """The prompt length with the lowest TTFT per prompt token."""
+        return min(self.prompt_lens, key=lambda p: self.ttft[p] / p)
+
+    @property
+    def last_growth(self) -> float:
+        """TTFT of the longest prompt over the second longest's."""
+        return self.prefills[-1].best_s / self.prefills[-2].best_s
+
+    @property
+    def at_once(self) -> float:
+        """The longest prefill over as many single-token decode steps: below 1, the prompt at once is faster."""
+        return self.prefills[-1].best_s / (self.prefills[-1].tokens * self.step.best_s)
+
+
+def sweep_prefill(
+    model: PreTrainedModel,
+    prompt_lens: Sequence[int],
+    repeat: int = 1,
+    rounds: int = 3,
+    step_repeat: int = 3,
+    seed: int = 0,
+) -> PrefillSweep:
+    """Time a prefill of every prompt length (`_prefill_once`: one forward pass into a fresh cache) `repeat`
+    times per round, and `step_repeat` decode steps at the shortest length, in each of `rounds` rounds, after
+    one untimed prefill each (the warm-up)."""
+    check_count("rounds", rounds)
+    check_count("repeat", repeat)
+    if len(prompt_lens) < 3 or list(prompt_lens) != sorted(set(prompt_lens)):
+        raise ValueError(f"prompt_lens must be at least 3 increasing lengths, got {list(prompt_lens)}")
+    ids = {p: random_ids(model, 1, p, seed) for p in prompt_lens}
+    for p in prompt_lens:
+        _prefill_once(model, ids[p])
+    step = _DecodeBench(model, 1, prompt_lens[0], seed)
+    step.step()
+    seconds: dict[int, list[float]] = {p: [] for p in prompt_lens}
+    steps: list[float] = []
+    for _ in range(rounds):
+        steps.extend(step.step() for _ in range(step_repeat))
+        for p in prompt_lens:
+            seconds[p].extend(_prefill_once(model, ids[p]) for _ in range(repeat))
+    prefills = tuple(StepTiming(1, p, tuple(seconds[p])) for p in prompt_lens)
+    return PrefillSweep(prefills, StepTiming(1, prompt_lens[0], tuple(steps)))
+
+
+def check_prefill(
+    sweep: PrefillSweep, *, min_growth: float = 8, long_end: float = 0.75, max_at_once: float = 0.5
+) -> list[Check]:
+    """The prefill claims of *Prefill and decode*: the longest prompt at least `min_growth` × the shortest's
+    TTFT; the shortest not the cheapest per token (a fixed floor); the two longest prompts' TTFT growing at
+    least `long_end` × as fast as their lengths (the compute-bound end); and the longest prefill under
+    `max_at_once` × as many single-token decode steps."""
+    lens = sweep.prompt_lens
+    length_ratio = lens[-1] / lens[-2]
+    return [
+        Check(
+            "TTFT grows with the prompt", sweep.growth > min_growth, f"{sweep.growth:.1f}x > {min_growth:g}x"
+        ),
+        Check(
+            "a short prompt pays a fixed floor",
+            sweep.cheapest != lens[0],
+            f"cheapest per token: {sweep.cheapest}",
+        ),
+        Check(
+            "the long end is compute-bound",
+            sweep.last_growth > long_end * length_ratio,
+            f"{sweep.last_growth:.2f}x for {length_ratio:g}x the tokens, needs > {long_end * length_ratio:.2f}x",
+        ),
+        less("prefill over one token at a time", sweep.at_once, max_at_once),
+    ]

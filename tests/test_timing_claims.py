@@ -1,0 +1,251 @@
+"""kvlab.timing's measured claims (chapters 3 and 4) and kvlab.decode's (chapter 1): what each sweep measures,
+and what each check decides on numbers chosen by hand (no timing decides a test here)."""
+
+import math
+
+import pytest
+import torch
+
+from kvlab import claims, decode, hardware, roofline, timing
+from kvlab.models import tiny_config, tiny_model
+from kvlab.roofline import StepEstimate
+
+FAKE = hardware.Measurement(
+    name="fake device",
+    memory_bytes=2**34,
+    bandwidth_bytes_per_s=10e9,
+    flops=40e9,
+    flops_dtype="float32",
+    host_link_bytes_per_s=None,
+    copy_bytes=2**28,
+    matmul_size=1024,
+)
+CONFIG = tiny_config("llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=256)
+
+
+def row(batch, context, measured_s, predicted_s, overhead_s, bound="memory"):
+    """A comparison whose fastest step took `measured_s` against `predicted_s` (overhead included)."""
+    work = predicted_s - overhead_s
+    compute, memory = (work, work / 2) if bound == "compute" else (work / 2, work)
+    step = StepEstimate(compute, memory, 1.0, 1.0, 1.0, 0.0, batch)
+    return timing.DecodeComparison(
+        timing.StepTiming(batch, context, (measured_s, 2 * measured_s)), step, predicted_s, overhead_s
+    )
+
+
+def sweep(rows, overhead_s, on_cpu=True, hw=FAKE):
+    overhead = timing.StepOverhead(timing.StepTiming(1, 1, (overhead_s,)), 2, 0.0)
+    return timing.DecodeSweep(hw, overhead, tuple(rows), CONFIG, torch.float32, on_cpu)
+
+
+def failed(checks):
+    return [c.name for c in checks if not c.holds]
+
+
+def test_the_floor_allows_reads_half_again_faster_and_the_overhead_paid_in_full_on_a_cpu():
+    # 9 ms of work and 1 ms of overhead: at best 6 + 1 ms on a CPU (serial), max(6, 1) ms on a GPU (overlapped)
+    r = row(1, 16, 8e-3, 10e-3, 1e-3)
+    assert timing.prediction_floor(r, on_cpu=True) == pytest.approx(0.7)
+    assert timing.prediction_floor(r, on_cpu=False) == pytest.approx(0.6)
+    # launch-bound on a GPU: the overhead alone
+    assert timing.prediction_floor(row(1, 16, 1e-3, 1.3e-3, 1e-3), on_cpu=False) == pytest.approx(1 / 1.3)
+    # the floor never goes below 2/3 on a CPU: at most the bytes move faster
+    assert timing.prediction_floor(row(1, 16, 1, 1.0, 1e-12), on_cpu=True) == pytest.approx(2 / 3)
+    band = timing.prediction_band(r, True, 2)
+    assert band.holds and band.name == "batch 1, context 16: measured/predicted"
+    assert not timing.prediction_band(row(1, 16, 6.9e-3, 10e-3, 1e-3), True, 2).holds
+    assert not timing.prediction_band(row(1, 16, 20.1e-3, 10e-3, 1e-3), True, 2).holds
+
+
+def test_probe_bytes_follow_the_weights_within_limits():
+    model = tiny_model(config=CONFIG, device="cpu")
+    assert timing.probe_bytes(model) == 2**20  # a tiny model: the 1 MiB minimum
+    assert timing.probe_bytes(model, cap=2**20) == 2**20
+    big = tiny_model("llama", layers=2, hidden=512, heads=8, vocab=1024, device="cpu")
+    assert 2**20 < timing.probe_bytes(big) <= 2**30 and timing.probe_bytes(big) % 4 == 0
+
+
+def test_decode_points_are_unique_and_ordered():
+    assert timing.decode_points([16, 64], [1, 4], 16) == [(1, 16), (1, 64), (4, 16)]
+
+
+def test_a_sweep_measures_everything_in_rounds():
+    model = tiny_model(config=CONFIG, device="cpu")
+    s = timing.sweep_decode(model, [(1, 8), (2, 8)], repeat=2, rounds=3, warmup=1, hw_repeat=1)
+    assert [(r.measured.batch_size, r.measured.tokens) for r in s.rows] == [(1, 8), (2, 8)]
+    assert all(len(r.measured.seconds) == 6 for r in s.rows) and len(s.overhead.timing.seconds) == 6
+    assert s.on_cpu and s.hw.copy_bytes == 2**20
+    for r in s.rows:
+        # the bench's realistic prediction, with the overhead this sweep measured
+        expected = timing.predict_bench_step(r.predicted, s.hw, torch.float32, s.overhead.realism())
+        assert r.prediction_s == expected and r.overhead_s == s.overhead.step_s
+    assert s.row(2, 8) is s.rows[1] and s.at_batches([1, 2], 8) == list(s.rows)
+    with pytest.raises(KeyError, match="no measured point"):
+        s.row(3, 8)
+
+
+def test_context_growth_checks():
+    contexts, batches = [16, 256, 4096], [1, 64]
+    good = [
+        row(1, 16, 4e-3, 4e-3, 2.7e-3),
+        row(1, 256, 5e-3, 4.5e-3, 2.7e-3),
+        row(1, 4096, 17e-3, 15e-3, 2.7e-3),
+        row(1, 128, 4e-3, 4e-3, 2.7e-3),
+        row(64, 128, 40e-3, 20e-3, 2.7e-3),
+    ]
+    kw = dict(min_predicted_growth=1.5, ratio_high=2)
+    checks = timing.check_context_growth(sweep(good, 2.7e-3), contexts, batches, 128, **kw)
+    assert failed(checks) == []
+    names = [c.name for c in checks]
+    assert "the CPU sizes show the growth" in names and "the step grows with the context" in names
+    # a prediction doubled: every step far faster than predicted
+    doubled = [
+        row(r.measured.batch_size, r.measured.tokens, r.measured.best_s, 2 * r.prediction_s, 2.7e-3)
+        for r in good
+    ]
+    assert "batch 1, context 16: measured/predicted" in failed(
+        timing.check_context_growth(sweep(doubled, 2.7e-3), contexts, batches, 128, **kw)
+    )
+    # a step that does not grow, and a batch that costs as much as its sequences
+    flat = good[:2] + [row(1, 4096, 8e-3, 15e-3, 2.7e-3), good[3], row(64, 128, 40 * 4e-3, 20e-3, 2.7e-3)]
+    missed = failed(timing.check_context_growth(sweep(flat, 2.7e-3), contexts, batches, 128, **kw))
+    assert "the step grows with the context" in missed and "batch 64 in batch-1 steps" in missed
+    # launch-bound sizes on a GPU: no growth to show, and none required
+    gpu = timing.check_context_growth(
+        sweep(good[:1] * 3 + good[3:], 2.7e-3, on_cpu=False), [16, 16, 16], batches, 128, **kw
+    )
+    assert "the CPU sizes show the growth" not in [c.name for c in gpu]
+    assert "the CPU sizes show the growth" in failed(
+        timing.check_context_growth(sweep(good[:1] * 3 + good[3:], 2.7e-3), [16, 16, 16], batches, 128, **kw)
+    )
+
+
+def test_roofline_checks():
+    contexts, batches = [16, 64], [1, 4, 16]
+    o = 3e-3
+    rows = [
+        row(1, 16, 30e-3, 35e-3, o),
+        row(1, 64, 31e-3, 36e-3, o),
+        row(4, 16, 40e-3, 36e-3, o),
+        row(16, 16, 90e-3, 50e-3, o, bound="compute"),
+    ]
+    kw = dict(dominance=3, ratio_high=2)
+    # CONFIG on FAKE turns compute-bound at about 9.3 sequences: batch 4 is the largest measured below it
+    assert roofline.critical_batch_size(CONFIG, FAKE, 16, dtype=torch.float32) == pytest.approx(9.3, abs=0.1)
+    checks = timing.check_roofline(sweep(rows, o), contexts, batches, 16, **kw)
+    assert failed(checks) == []
+    names = [c.name for c in checks]
+    assert {
+        "context 16: memory-bound on the roofline",
+        "a batch-1 step with work >= 3x the overhead",
+        "a measured batch below the critical batch",
+        "batch 4 in batch-1 steps",
+        "batch 16, context 16: measured/predicted",
+    } <= set(names)
+    # the bandwidth halved: every prediction about twice as long, measured far below the floor
+    halved = [
+        row(r.measured.batch_size, r.measured.tokens, r.measured.best_s, 2 * r.prediction_s - o, o)
+        for r in rows
+    ]
+    missed = failed(timing.check_roofline(sweep(halved, o), contexts, batches, 16, **kw))
+    assert "batch 1, context 16: measured/predicted" in missed
+    # batching that costs as much as its sequences
+    dear = rows[:2] + [row(4, 16, 4 * 30e-3, 36e-3, o), rows[3]]
+    assert failed(timing.check_roofline(sweep(dear, o), contexts, batches, 16, **kw)) == [
+        "batch 4 in batch-1 steps"
+    ]
+    # launch-bound everywhere: on a CPU that is a failure (CI would never check the claim), on a GPU it is not
+    tiny = [row(r.measured.batch_size, r.measured.tokens, 4e-3, 4e-3, o) for r in rows]
+    rule = "a batch-1 step with work >= 3x the overhead"
+    assert rule in failed(timing.check_roofline(sweep(tiny, o), contexts, batches, 16, **kw))
+    on_gpu = timing.check_roofline(sweep(tiny, o, on_cpu=False), contexts, batches, 16, **kw)
+    assert rule not in [c.name for c in on_gpu]
+
+
+def prefill_sweep(ttft_s, step_s):
+    prefills = tuple(timing.StepTiming(1, p, (t,)) for p, t in ttft_s.items())
+    return timing.PrefillSweep(prefills, timing.StepTiming(1, min(ttft_s), (step_s,)))
+
+
+def test_prefill_checks():
+    good = prefill_sweep({16: 4e-3, 64: 12.8e-3, 256: 34e-3, 1024: 175e-3, 2048: 466e-3}, 2.3e-3)
+    assert (
+        good.cheapest == 256
+        and good.growth == pytest.approx(116.5)
+        and good.at_once == pytest.approx(0.099, rel=0.01)
+    )
+    assert failed(timing.check_prefill(good)) == []
+    # one token at a time: as slow as that many decode steps, and no fixed floor
+    token_by_token = prefill_sweep({p: p * 2.3e-3 for p in (16, 64, 256, 1024, 2048)}, 2.3e-3)
+    assert failed(timing.check_prefill(token_by_token)) == [
+        "a short prompt pays a fixed floor",
+        "prefill over one token at a time",
+    ]
+    with pytest.raises(ValueError, match="increasing"):
+        timing.sweep_prefill(tiny_model(config=CONFIG, device="cpu"), [64, 16, 256])
+
+
+def test_prefill_sweep_measures_every_length_in_rounds():
+    model = tiny_model(config=CONFIG, device="cpu")
+    s = timing.sweep_prefill(model, [4, 8, 16], repeat=2, rounds=2, step_repeat=1)
+    assert s.prompt_lens == [4, 8, 16] and all(len(p.seconds) == 4 for p in s.prefills)
+    assert len(s.step.seconds) == 2 and s.step.tokens == 4
+    assert len(timing.check_prefill(s)) == 4
+
+
+def recompute_sweep(times, overhead_s, on_cpu=True):
+    rows = tuple(
+        decode.RecomputeTiming(L, timing.StepTiming(1, L + 1, (c,)), timing.StepTiming(1, L + 1, (u,)))
+        for L, (c, u) in times.items()
+    )
+    overhead = timing.StepOverhead(timing.StepTiming(1, 1, (overhead_s,)), 4, 0.0)
+    return decode.RecomputeSweep(rows, overhead, on_cpu)
+
+
+def test_recompute_checks():
+    o = 1.2e-3
+    good = recompute_sweep({16: (1.6e-3, 2.4e-3), 64: (1.9e-3, 12e-3), 1024: (2.4e-3, 1.4)}, o)
+    assert [r.history for r in good.dominated] == [64, 1024] and good.threshold_s == decode.WORK_DOMINATES * o
+    checks = decode.check_recompute(good)
+    assert failed(checks) == [] and [c.name for c in checks][1:] == [
+        "L=64: 2 < recompute/cached",
+        "L=1024: 2 < recompute/cached",
+    ]
+    # the cache dropped every step: the "cached" step recomputes the history too
+    dropped = recompute_sweep({16: (2.4e-3, 2.4e-3), 64: (12e-3, 12e-3), 1024: (1.4, 1.4)}, o)
+    assert failed(decode.check_recompute(dropped)) == [
+        "L=64: 2 < recompute/cached",
+        "L=1024: 2 < recompute/cached",
+    ]
+    # launch-bound at every length: a failure on a CPU, where CI must check the claim; not on a GPU
+    small = recompute_sweep({16: (1.6e-3, 2.4e-3)}, o)
+    assert failed(decode.check_recompute(small)) == ["a history where work dominates (required on a CPU)"]
+    assert failed(decode.check_recompute(recompute_sweep({16: (1.6e-3, 2.4e-3)}, o, on_cpu=False))) == []
+
+
+def test_recompute_sweep_and_flops():
+    model = tiny_model(
+        "llama", layers=2, hidden=64, heads=4, kv_heads=2, attn_implementation="eager", device="cpu"
+    )
+    s = decode.sweep_recompute(model, [4, 16], repeat=1, rounds=2)
+    assert [r.history for r in s.rows] == [4, 16] and s.on_cpu
+    assert all(len(r.cached.seconds) == 2 == len(r.uncached.seconds) for r in s.rows)
+    assert len(s.overhead.timing.seconds) == 2 and math.isfinite(s.rows[0].ratio)
+    f = decode.step_flops(model, 16)
+    assert f.uncached_flops == 17 * f.cached_flops
+    with pytest.raises(ValueError, match="history"):
+        decode.step_flops(model, 0)
+
+
+def test_a_claim_run_end_to_end_prints_every_attempt():
+    lines = []
+    verdict = claims.measure_claim(
+        "recompute",
+        lambda: recompute_sweep({64: (12e-3, 12e-3)}, 1.2e-3),
+        decode.check_recompute,
+        attempts=2,
+        log=lines.append,
+    )
+    assert not verdict.holds and verdict.count == 2 and len(lines) == 2
+    with pytest.raises(AssertionError, match=r"L=64: 2 < recompute/cached: MISSES"):
+        verdict.require()
