@@ -446,7 +446,7 @@ def test_measure_and_check_offload(model, tmp_path):
     names = [c.name for c in checks]
     assert names[0] == "96 tokens: transfer at least 0% of the predicted step" and checks[0].holds
     assert "64 tokens: offloaded step (ms) in the band around compute + transfer" in names
-    assert "96 tokens: band width below the transfer term (ms)" in names
+    assert "96 tokens: band above the compute-only step (ms)" in names
     assert len(checks) == 2 + 2 * 2
     # at a share no step reaches, only the longest context's two conditions remain, and the first misses
     strict = offload.check_offload(sweep, min_share=1.0)

@@ -16,17 +16,24 @@ tier and stream the whole layer in at every step: `"host"` (pinned CPU memory, r
 GPU) or `"disk"` (a file per layer, written and read with `O_DIRECT` in whole aligned blocks; the newest,
 not yet full block stays in RAM, as block-based offload engines keep a partial block resident; the reads are
 polled, `PolledReader`). The other layers are ordinary transformers layers. The copies are synchronous: nothing
-overlaps the transfer with compute, so the cost model is the compute-only (in-memory) step plus the offloaded
-bytes over the tier's bandwidth (`offload_cost`, `fit_offload`). `time_offload` measures both loops in lockstep
-and, after every step, repeats the offloaded layers' transfers alone (`OffloadedCache.reread`): the bandwidth the
-tier delivers with the loop's own requests, under the same load. On a CPU, steps are timed in thread CPU time
-(`step_clock`). transformers' own `DynamicCache(offloading=True)` (GPU only) prefetches the next layer on a side
-stream and overlaps; the lab compares against it where a GPU is present.
+overlaps the transfer with compute, so the cost model is the compute-only step plus the offloaded bytes over the
+tier's bandwidth (`offload_cost`, `fit_offload`). `time_offload` measures the offloaded loop in lockstep with an
+in-memory one (`memory_reference`) and, after every step, repeats alone the two things in which they differ: the
+in-memory layers' appends to the histories of the layers that are offloaded (`SyncedLayer.reappend`; an
+offloaded layer does not concatenate, and counting that copy in the compute term as well made the prediction
+3-6 % high), and the offloaded layers' tier work (`OffloadedCache.reread`): the bandwidth the tier delivers with
+the loop's own requests, under the same load, the first copy out of the delivered bytes included. The band is a
+test of equal medians from distribution-free intervals (`median_interval`), so that it holds at its designed rate
+on any device; `measure_offload` and `check_offload` are one measurement and its `kvlab.claims` checks. On a CPU,
+steps are timed in thread CPU time (`step_clock`). transformers' own `DynamicCache(offloading=True)` (GPU only)
+prefetches the next layer on a side stream and overlaps; the lab compares against it where a GPU is present.
 
 **Recompute or reload** (`recompute_vs_reload`). Restoring a prompt's KV costs either its prefill FLOPs again or
 its KV bytes over a link. Reloading wins when the prefill's FLOPs per KV byte exceed the FLOPs the GPU could do
 while the link delivers one byte (`flops / link bytes per second`). GQA divides the KV bytes by the group size and
 leaves the FLOPs alone, so it pushes a model towards reload; MHA models sit closer to the break-even.
+`time_reload` times both on the machine at hand and `check_reload` asks whether the model picks the stopwatch's
+winner.
 """
 
 from __future__ import annotations
@@ -1424,9 +1431,10 @@ def measure_offload(
 
 def check_offload(sweep: OffloadSweep, min_share: float = 0.2) -> list[claims.Check]:
     """The claim on one `measure_offload`: at the longest context the transfer is at least `min_share` of the
-    step and the offloaded step is longer than the compute-only one; at every context where the transfer is that large,
-    the measured median step is in the band around compute + transfer (`fit_offload`), and the band is narrower
-    than the transfer term, so that it tells a loop that pays for its transfers from one that does not."""
+    step and the offloaded step is longer than the compute-only one; at every context where the transfer is that
+    large, the measured median step is in the band around compute + transfer (`fit_offload`), and the band's lower
+    edge is above the compute-only step, so that it tells a loop that pays for its transfers from one that does
+    not (whose median step would be the compute-only step)."""
     fits = [sweep.fits[c] for c in sorted(sweep.fits)]
     last = fits[-1]
     checks = [
@@ -1449,14 +1457,14 @@ def check_offload(sweep: OffloadSweep, min_share: float = 0.2) -> list[claims.Ch
                     f.measured_s * 1e3,
                     f.low_s * 1e3,
                     f.high_s * 1e3,
-                )  # fmt: skip
+                )
             )
             checks.append(
                 claims.less(
-                    f"{f.context} tokens: band width below the transfer term (ms)",
-                    (f.high_s - f.low_s) * 1e3,
-                    f.transfer_s * 1e3,
-                )  # fmt: skip
+                    f"{f.context} tokens: band above the compute-only step (ms)",
+                    f.compute_s * 1e3,
+                    f.low_s * 1e3,
+                )
             )
     return checks
 

@@ -1,0 +1,99 @@
+"""Chapter 12's timing claim catches a wrong loop: the offloaded tier not read.
+
+The mutation goes through the same `kvlab.offload.measure_offload` and `check_offload` the lab runs through
+`kvlab.claims.measure_claim`, at the lab's model size and a shorter run (one context, the lab's 40 steps, one attempt). The
+mutant layers write their blocks to disk and re-read them from disk when the transfers are timed, so the tier's
+bandwidth is measured as usual, but their decode steps serve the K/V from a copy kept in RAM: a cache that claims
+the tier and does not pay for it. The band must reject it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvlab import claims, models, offload
+
+pytestmark = pytest.mark.slow
+
+BAND = "1024 tokens: offloaded step (ms) in the band around compute + transfer"
+
+
+@pytest.fixture(scope="module")
+def model():
+    threads = torch.get_num_threads()
+    # one thread: the steps are timed in thread CPU time, as in the lab
+    torch.set_num_threads(1)
+    yield models.tiny_model(
+        "llama", layers=4, hidden=256, heads=8, kv_heads=8, vocab=256, seed=0, device="cpu"
+    )
+    torch.set_num_threads(threads)
+
+
+class TierNotRead(offload.DiskLayer):
+    """Writes every block to disk, but decodes from a RAM copy; only `reread` (the timed transfer) reads disk."""
+
+    def __init__(self, path, block_bytes: int) -> None:
+        super().__init__(path, block_bytes)
+        self._ram = bytearray()
+        self._rereading = False
+        self.disk_reads = 0  # reads that went to the file
+
+    def _write_blocks(self, records: torch.Tensor) -> None:
+        super()._write_blocks(records)
+        self._ram += records.contiguous().view(torch.uint8).numpy().tobytes()
+
+    def _read(self, view: memoryview) -> int:
+        if self._rereading:
+            self.disk_reads += 1
+            return super()._read(view)
+        # one memcpy from the RAM copy: what a layer holding its K/V in memory pays
+        np.frombuffer(view, dtype=np.uint8)[:] = np.frombuffer(self._ram, np.uint8, len(view))
+        return len(view)
+
+    def reread(self, clock=time.perf_counter):
+        self._rereading = True
+        try:
+            return super().reread(clock)
+        finally:
+            self._rereading = False
+
+
+def tier_not_read(config, layers, tier):
+    cache = offload.OffloadedCache(config, layers, tier=tier)
+    for index in layers:
+        cache.layers[index] = TierNotRead(cache.layers[index].path, 64 * 1024)
+    return cache
+
+
+def verdict(model, make_cache):
+    return claims.measure_claim(
+        "offloaded step = compute + transfer",
+        lambda: offload.measure_offload(model, [1024], [1, 2, 3], "disk", 41, make_cache=make_cache),
+        offload.check_offload,
+        attempts=1,
+        log=None,
+    )
+
+
+def test_the_mutant_decodes_the_same_tokens_and_reads_disk_only_when_timed(model):
+    with tier_not_read(model.config, [1, 2, 3], "disk") as cache:
+        runs = offload.decode_lockstep(model, offload.random_prompt(256, 1, 300), 5, [None, cache])
+        assert runs[0].tokens == runs[1].tokens
+        layer = cache.layers[1]
+        # it reports the tier's bytes as read, and never read them
+        assert layer.disk_tokens > 0 and layer.bytes_read_from_disk > 0 and layer.disk_reads == 0
+        nbytes, seconds = cache.reread()
+        assert nbytes > 0 and seconds > 0 and layer.disk_reads == 1
+
+
+def test_a_cache_that_does_not_read_its_tier_fails_the_band(model):
+    result = verdict(model, tier_not_read)
+    assert not result.holds
+    missed = {check.name for check in result.attempts[-1].misses}
+    assert BAND in missed, missed
+    with pytest.raises(AssertionError, match="offloaded step \\(ms\\) in the band"):
+        result.require()
