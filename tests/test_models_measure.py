@@ -128,3 +128,20 @@ def test_cache_growth_adds_one_token_per_step():
     assert held == [(n, n * per_token) for n in range(5, 10)]
     with pytest.raises(ValueError, match="steps"):
         measure.cache_growth(model, torch.zeros(1, 2, dtype=torch.long), -1)
+
+
+def test_step_clock_is_the_threads_cpu_time_on_one_cpu_thread(monkeypatch):
+    import time
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert measure.step_clock("cpu") is time.thread_time
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert measure.step_clock("cpu") is time.perf_counter
+    ticks = iter([1.0, 3.5])
+    with measure.Timer("cpu", clock=lambda: next(ticks)) as timer:
+        pass
+    assert timer.seconds == 2.5
+    assert measure.time_call(lambda: None, "cpu", repeat=2, warmup=0, clock=iter([0, 1, 5, 7]).__next__) == [
+        1,
+        2,
+    ]

@@ -62,7 +62,7 @@ def test_probe_bytes_follow_the_weights_within_limits():
     assert timing.probe_bytes(model) == 2**20  # a tiny model: the 1 MiB minimum
     assert timing.probe_bytes(model, cap=2**20) == 2**20
     big = tiny_model("llama", layers=2, hidden=512, heads=8, vocab=1024, device="cpu")
-    assert 2**20 < timing.probe_bytes(big) <= 2**30 and timing.probe_bytes(big) % 4 == 0
+    assert 2**20 < timing.probe_bytes(big) <= 256 * 2**20 and timing.probe_bytes(big) % 4 == 0
 
 
 def test_decode_points_are_unique_and_ordered():

@@ -19,7 +19,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from kvlab.agreement import top_k_ids
 from kvlab.claims import Check, less
-from kvlab.measure import Timer, cache_tensor_bytes
+from kvlab.measure import Timer, cache_tensor_bytes, step_clock
 from kvlab.sizing import check_count
 from kvlab.timing import StepOverhead, StepTiming, _DecodeBench, _hollow_twin, _overhead, random_ids
 from kvlab.units import format_bytes
@@ -156,8 +156,8 @@ class _RecomputeBench:
 
     def __init__(self, model: PreTrainedModel, history: int, seed: int) -> None:
         check_uncached_step_fits(model, history, 1)
-        self.model, self.history = model, history
-        self.bench = _DecodeBench(model, 1, history + 1, seed)
+        self.model, self.history, self.clock = model, history, step_clock(model.device)
+        self.bench = _DecodeBench(model, 1, history + 1, seed, self.clock)
         self.ids = self.bench.ids
 
     def cached(self) -> float:
@@ -165,7 +165,7 @@ class _RecomputeBench:
 
     @torch.inference_mode()
     def uncached(self) -> float:
-        with Timer(self.model.device) as timer:
+        with Timer(self.model.device, clock=self.clock) as timer:
             self.model(self.ids, use_cache=False)
         return timer.seconds
 
@@ -206,14 +206,15 @@ def sweep_recompute(
 ) -> RecomputeSweep:
     """One measurement of what the cache saves in time: in each of `rounds` rounds, `repeat` steps of the
     hollow twin (`kvlab.timing.measure_step_overhead`: the fixed overhead), then `repeat` cached and `repeat`
-    recomputing steps at every history length, after one untimed step of each. Each time is the fastest."""
+    recomputing steps at every history length, after one untimed step of each. Each time is the fastest, read
+    with `kvlab.measure.step_clock` (the thread's CPU time on a CPU running torch on one thread)."""
     check_count("repeat", repeat)
     check_count("rounds", rounds)
     for history in histories:
         check_count("history", history)
     benches = [_RecomputeBench(model, history, seed) for history in histories]
     hollow = _hollow_twin(model, seed)
-    hollow_bench = _DecodeBench(hollow, 1, 1, seed)
+    hollow_bench = _DecodeBench(hollow, 1, 1, seed, step_clock(model.device))
     runs = [hollow_bench.step] + [f for b in benches for f in (b.cached, b.uncached)]
     seconds: list[list[float]] = [[] for _ in runs]
     for run in runs:

@@ -13,6 +13,7 @@ Chapters: *Why decode is bandwidth-bound* (book/04_bandwidth_bound), *Active tok
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -241,19 +242,26 @@ def _host_memory_bytes() -> int:
 
 class CopyProbe:
     """A large device-to-device copy kept ready to time again and again: the bandwidth ceiling, re-measured.
+    `clock` reads the time on a CPU (default: the wall clock; see `kvlab.measure.step_clock`).
 
     A measurement taken once, before a timed sweep, can fall in a burst of other work on a shared machine while
     the sweep does not (or the other way round); timing the probe between the sweep's rounds puts the ceiling
     and the steps it predicts under the same conditions (`kvlab.timing.sweep_decode`).
     """
 
-    def __init__(self, device: str | torch.device | None = None, size_bytes: int = 256 * 2**20) -> None:
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        size_bytes: int = 256 * 2**20,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes < 2**20:
             raise ValueError(f"size_bytes must be an integer >= 1 MiB, got {size_bytes!r}")
         self.device = pick_device(device)
         # ones, not empty: every page is touched before the first timed copy
         self.src = torch.ones(size_bytes // 4, dtype=torch.float32, device=self.device)
         self.dst = torch.empty_like(self.src)
+        self.clock = clock
         self.seconds: list[float] = []
 
     @property
@@ -262,7 +270,8 @@ class CopyProbe:
 
     def time(self, repeat: int = 1, warmup: int = 0) -> float:
         """Time `repeat` copies (after `warmup` untimed ones), keep them, and return the fastest."""
-        times = time_call(lambda: self.dst.copy_(self.src), self.device, repeat=repeat, warmup=warmup)
+        copy = lambda: self.dst.copy_(self.src)  # noqa: E731
+        times = time_call(copy, self.device, repeat=repeat, warmup=warmup, clock=self.clock)
         self.seconds.extend(times)
         return min(times)
 
@@ -278,16 +287,25 @@ class MatmulProbe:
     """An n × n by n × n matmul kept ready to time again and again: the compute ceiling, re-measured (see
     `CopyProbe`)."""
 
-    def __init__(self, device: str | torch.device | None, n: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        device: str | torch.device | None,
+        n: int,
+        dtype: torch.dtype,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"matmul_size must be a positive integer, got {n!r}")
         self.device, self.n = pick_device(device), n
         self.a = torch.randn(n, n, device=self.device).to(dtype)
         self.b = torch.randn(n, n, device=self.device).to(dtype)
+        self.clock = clock
         self.seconds: list[float] = []
 
     def time(self, repeat: int = 1, warmup: int = 0) -> float:
-        times = time_call(lambda: self.a @ self.b, self.device, repeat=repeat, warmup=warmup)
+        times = time_call(
+            lambda: self.a @ self.b, self.device, repeat=repeat, warmup=warmup, clock=self.clock
+        )
         self.seconds.extend(times)
         return min(times)
 
@@ -325,6 +343,7 @@ def measure(
     dtype: torch.dtype | None = None,
     repeat: int = 5,
     probe: CopyProbe | None = None,
+    matmul_probe: MatmulProbe | None = None,
 ) -> Measurement:
     """Achieved memory bandwidth and matmul FLOP/s of `device` (default: cuda if any, else cpu).
 
@@ -335,7 +354,8 @@ def measure(
     faster: pass `dtype=torch.bfloat16` to see it). Each figure is the best of `repeat`
     runs, as STREAM reports: the ceiling, not the typical run. On CPU the defaults take about a second.
     With `probe` (a `CopyProbe` kept to be timed again later), the copy is the probe's, of its size, and the
-    bandwidth the fastest of every copy the probe has timed so far.
+    bandwidth the fastest of every copy the probe has timed so far; with `matmul_probe` likewise the matmul (its
+    size and dtype replace `matmul_size` and `dtype`).
     """
     if probe is not None:
         size_bytes = probe.nbytes
@@ -356,7 +376,11 @@ def measure(
         probe.time(repeat=repeat, warmup=1)
         copy_s, copied = min(probe.seconds), probe.nbytes
     host_link = _host_link(device, size_bytes, repeat) if gpu else None
-    matmul_s = _matmul_seconds(device, n, dtype, repeat)
+    if matmul_probe is None:
+        matmul_s = _matmul_seconds(device, n, dtype, repeat)
+    else:
+        matmul_probe.time(repeat=repeat, warmup=1)
+        n, dtype, matmul_s = matmul_probe.n, matmul_probe.a.dtype, min(matmul_probe.seconds)
     flops_dtype = str(dtype).removeprefix("torch.")
     memory = torch.cuda.get_device_properties(device).total_memory if gpu else _host_memory_bytes()
     return Measurement(

@@ -7,7 +7,7 @@
   a pool's bytes, measured from its tensors, are checked against (`tensor_bytes` counts those).
 - `MemoryTracker`: CUDA allocator statistics on a GPU; on CPU, accounting of every tensor storage created inside
   the block (a `TorchDispatchMode` sees each aten op's outputs, and weak references see them freed).
-- `time_call` / `Timer`: CUDA events on a GPU, `perf_counter` on CPU.
+- `time_call` / `Timer`: CUDA events on a GPU, `perf_counter` on CPU (or `step_clock`: the thread's CPU time).
 - `percentiles`: the one percentile helper (nearest-rank-free, linear interpolation as numpy does).
 """
 
@@ -273,9 +273,14 @@ def synchronize(device: str | torch.device | None = None) -> None:
 
 
 def time_call(
-    fn: Callable[[], Any], device: str | torch.device | None = None, repeat: int = 5, warmup: int = 1
+    fn: Callable[[], Any],
+    device: str | torch.device | None = None,
+    repeat: int = 5,
+    warmup: int = 1,
+    clock: Callable[[], float] | None = None,
 ) -> list[float]:
-    """Seconds per call of `fn`, `repeat` times after `warmup` calls (CUDA events on GPU)."""
+    """Seconds per call of `fn`, `repeat` times after `warmup` calls (CUDA events on GPU; on CPU `clock`, by
+    default the wall clock)."""
     if repeat < 1 or warmup < 0:
         raise ValueError(f"repeat must be >= 1 and warmup >= 0, got {repeat}, {warmup}")
     device = pick_device(device)
@@ -283,18 +288,34 @@ def time_call(
         fn()
     times = []
     for _ in range(repeat):
-        with Timer(device) as timer:
+        with Timer(device, clock=clock) as timer:
             fn()
         times.append(timer.seconds)
     return times
 
 
+def step_clock(device: str | torch.device | None = None) -> Callable[[], float]:
+    """The clock a timed step on `device` is read with: on a CPU running torch on one thread, this thread's CPU
+    time (`time.thread_time`), otherwise the wall clock (`time.perf_counter`; a GPU is timed with CUDA events
+    whatever the clock).
+
+    On a shared CPU a step's wall time includes every moment another process held the core, which varies from
+    step to step with the load; the thread's CPU time counts only the moments it ran (its page faults included).
+    That holds only while the calling thread does all the work (`torch.set_num_threads(1)`).
+    """
+    if pick_device(device).type == "cuda" or torch.get_num_threads() > 1:
+        return time.perf_counter
+    return time.thread_time
+
+
 @dataclass
 class Timer:
-    """Wall time of a block; on CUDA measured between events on the current stream."""
+    """Time of a block: on CUDA between events on the current stream; on CPU by `clock` (default: the wall
+    clock, `time.perf_counter`; `step_clock` gives this thread's CPU time where that is the better measure)."""
 
     device: str | torch.device | None = None
     seconds: float = 0.0
+    clock: Callable[[], float] | None = None
 
     def __enter__(self) -> Timer:
         self.device = pick_device(self.device)
@@ -302,7 +323,8 @@ class Timer:
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self._events[0].record()
         else:
-            self._t0 = time.perf_counter()
+            self._read = self.clock or time.perf_counter
+            self._t0 = self._read()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -311,7 +333,7 @@ class Timer:
             self._events[1].synchronize()
             self.seconds = self._events[0].elapsed_time(self._events[1]) / 1e3
         else:
-            self.seconds = time.perf_counter() - self._t0
+            self.seconds = self._read() - self._t0
 
 
 def percentiles(values: Iterable[float], qs: Sequence[float] = (50, 95, 99)) -> dict[str, float]:

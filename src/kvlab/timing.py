@@ -7,8 +7,13 @@ step time of a dense model does not depend on which tokens they are.
 Where measured and predicted part on CPU (see benchmarks/bench_roofline.py): a step also pays a fixed cost
 per operator (Python and dispatch, 0.1-0.2 ms per layer on a 2-core CPU), which only weights of a few hundred
 MB hide; `DynamicCache` appends with `torch.cat`, so each step copies the whole cache once more on top of the
-one read the roofline counts; and skinny matmuls (2 to ~64 rows) run far below both the copy bandwidth and
-the square-matmul peak that `kvlab.hardware.measure` reports.
+one read the roofline counts (`predict_bench_step` adds it); and skinny matmuls (2 to ~64 rows) run far below
+both the copy bandwidth and the square-matmul peak that `kvlab.hardware.measure` reports.
+
+The labs' timing claims are measured claims (`kvlab.claims.measure_claim`): `sweep_prefill` and `sweep_decode`
+take one whole measurement, interleaved in rounds with the ceilings it is predicted from, and `check_prefill`,
+`check_context_growth` and `check_roofline` decide it; `prediction_floor` derives the lowest measured/predicted
+a true prediction allows.
 Chapters: *Prefill and decode* (book/03_prefill_decode), *Why decode is bandwidth-bound* (book/04_bandwidth_bound).
 """
 
@@ -26,7 +31,7 @@ from kvlab import hardware
 from kvlab.arch import describe
 from kvlab.claims import Check, between, less
 from kvlab.hardware import Accelerator, Measurement
-from kvlab.measure import Timer, percentiles
+from kvlab.measure import Timer, percentiles, step_clock
 from kvlab.roofline import (
     REALISM,
     Realism,
@@ -69,10 +74,17 @@ class _DecodeBench:
     one token per step.
     """
 
-    def __init__(self, model: PreTrainedModel, batch_size: int, context_len: int, seed: int) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        batch_size: int,
+        context_len: int,
+        seed: int,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         check_count("batch_size", batch_size)
         check_count("context_len", context_len)
-        self.model, self.batch_size, self.context_len = model, batch_size, context_len
+        self.model, self.batch_size, self.context_len, self.clock = model, batch_size, context_len, clock
         self.ids = random_ids(model, batch_size, context_len, seed)
         self.cache = DynamicCache(config=model.config)
         if context_len > 1:
@@ -84,7 +96,7 @@ class _DecodeBench:
 
     @torch.inference_mode()
     def step(self) -> float:
-        with Timer(self.model.device) as timer:
+        with Timer(self.model.device, clock=self.clock) as timer:
             self.model(self.ids[:, -1:], cache=self.cache, use_cache=True)
         if self.crop:
             self.cache.crop(-1)
@@ -135,10 +147,12 @@ def measure_prefill(
 
 
 @torch.inference_mode()
-def _prefill_once(model: PreTrainedModel, ids: torch.Tensor) -> float:
+def _prefill_once(
+    model: PreTrainedModel, ids: torch.Tensor, clock: Callable[[], float] | None = None
+) -> float:
     """Seconds of one prefill of `ids` into a fresh cache, in one forward pass (logits of the last token only)."""
     cache = DynamicCache(config=model.config)
-    with Timer(model.device) as timer:
+    with Timer(model.device, clock=clock) as timer:
         model(ids, cache=cache, use_cache=True, logits_to_keep=1)
     return timer.seconds
 
@@ -376,7 +390,7 @@ def prediction_band(row: DecodeComparison, on_cpu: bool, ratio_high: float) -> C
     return between(name, row.best_ratio, prediction_floor(row, on_cpu), ratio_high)
 
 
-def probe_bytes(model: PreTrainedModel, cap: int = 2**30) -> int:
+def probe_bytes(model: PreTrainedModel, cap: int = 256 * 2**20) -> int:
     """Size of the copy that measures the bandwidth a step of `model` sees: its weights' bytes (at least 1 MiB,
     at most `cap`), so the copy's buffers and the step's reads live in the same level of memory: the last-level
     cache of a CPU for a model that fits there, DRAM or HBM otherwise."""
@@ -428,7 +442,9 @@ def sweep_decode(
 ) -> DecodeSweep:
     """One measurement of decode steps against their realistic prediction, everything interleaved.
 
-    The ceilings are measured first (`kvlab.hardware.measure`); then each of `rounds` rounds times one copy of
+    Everything is read with `kvlab.measure.step_clock` (a CPU thread's CPU time on one torch thread, so that the
+    moments another process holds the core are not counted). The ceilings are measured first
+    (`kvlab.hardware.measure`); then each of `rounds` rounds times one copy of
     `copy_bytes` (default `probe_bytes(model)`: the bandwidth) and one square matmul (the peak), then `repeat`
     steps of the hollow twin (the fixed overhead) and of every (batch, context) point. Each quantity is the
     fastest over all rounds (noise only ever adds time), and each step is predicted by `predict_bench_step`.
@@ -436,15 +452,16 @@ def sweep_decode(
     check_count("repeat", repeat)
     check_count("rounds", rounds)
     check_count("warmup", warmup, 0)
-    device, dtype = model.device, model.dtype
-    probe = hardware.CopyProbe(device, probe_bytes(model) if copy_bytes is None else copy_bytes)
-    peak = hardware.measure(device, dtype=dtype, repeat=hw_repeat, probe=probe)
-    matmul = hardware.MatmulProbe(device, peak.matmul_size, dtype)
+    device, dtype, clock = model.device, model.dtype, step_clock(model.device)
+    probe = hardware.CopyProbe(device, probe_bytes(model) if copy_bytes is None else copy_bytes, clock)
+    matmul = hardware.MatmulProbe(device, 8192 if device.type == "cuda" else 1024, dtype, clock)
+    peak = hardware.measure(device, repeat=hw_repeat, probe=probe, matmul_probe=matmul)
     hollow = _hollow_twin(model, seed)
-    benches = [_DecodeBench(hollow, 1, 1, seed)] + [_DecodeBench(model, b, c, seed) for b, c in points]
+    benches = [
+        _DecodeBench(m, b, c, seed, clock) for m, b, c in [(hollow, 1, 1), *((model, *p) for p in points)]
+    ]
     timings = _time_in_rounds(benches, repeat, warmup, rounds, [probe.time, matmul.time])
-    flops = max(peak.flops, matmul.flops)
-    hw = replace(peak, bandwidth_bytes_per_s=probe.bandwidth_bytes_per_s, flops=flops)
+    hw = replace(peak, bandwidth_bytes_per_s=probe.bandwidth_bytes_per_s, flops=matmul.flops)
     overhead = _overhead(hollow, timings[0], hw)
     realism = overhead.realism()
     rows = tuple(_compare(model, hw, timing, realism) for timing in timings[1:])
@@ -519,7 +536,7 @@ def check_roofline(
     """The claims of *Why decode is bandwidth-bound* on one sweep: at every batch-1 context the step within its
     band (`prediction_band`), and the steps whose work is at least `dominance` × the overhead (bandwidth-bound)
     memory-bound on the roofline; on a CPU at least one such step (or CI would never check the claim); at every
-    batch with such work, the lower end of the band (skinny matmuls may run slower, never much faster); and the
+    larger batch with such work, the lower end of the band (skinny matmuls may run slower, never much faster); and the
     largest measured batch below the device's critical batch costs less than half as many batch-1 steps as it
     has sequences."""
     _check_batch_one(batch_sizes)
@@ -536,7 +553,8 @@ def check_roofline(
         detail = f"largest work {largest * 1e3:.2f} ms, overhead {overhead * 1e3:.2f} ms"
         checks.append(Check(f"a batch-1 step with work >= {dominance:g}x the overhead", bool(held), detail))
     batched = sweep.at_batches(batch_sizes, batch_context)
-    checks += _ratio_band([r for r in batched if r.work_s >= dominance * overhead], sweep.on_cpu, None)
+    worked = [r for r in batched[1:] if r.work_s >= dominance * overhead]
+    checks += _ratio_band(worked, sweep.on_cpu, None)
     critical = critical_batch_size(sweep.config, sweep.hw, batch_context, dtype=sweep.dtype)
     below = [r for r in batched if 1 < r.measured.batch_size <= (critical or math.inf)]
     checks.append(Check("a measured batch below the critical batch", bool(below), f"critical {critical}"))
@@ -598,22 +616,23 @@ def sweep_prefill(
 ) -> PrefillSweep:
     """Time a prefill of every prompt length (`_prefill_once`: one forward pass into a fresh cache) `repeat`
     times per round, and `step_repeat` decode steps at the shortest length, in each of `rounds` rounds, after
-    one untimed prefill each (the warm-up)."""
+    one untimed prefill each (the warm-up); read with `kvlab.measure.step_clock`."""
     check_count("rounds", rounds)
     check_count("repeat", repeat)
     if len(prompt_lens) < 3 or list(prompt_lens) != sorted(set(prompt_lens)):
         raise ValueError(f"prompt_lens must be at least 3 increasing lengths, got {list(prompt_lens)}")
     ids = {p: random_ids(model, 1, p, seed) for p in prompt_lens}
+    clock = step_clock(model.device)
     for p in prompt_lens:
-        _prefill_once(model, ids[p])
-    step = _DecodeBench(model, 1, prompt_lens[0], seed)
+        _prefill_once(model, ids[p], clock)
+    step = _DecodeBench(model, 1, prompt_lens[0], seed, clock)
     step.step()
     seconds: dict[int, list[float]] = {p: [] for p in prompt_lens}
     steps: list[float] = []
     for _ in range(rounds):
         steps.extend(step.step() for _ in range(step_repeat))
         for p in prompt_lens:
-            seconds[p].extend(_prefill_once(model, ids[p]) for _ in range(repeat))
+            seconds[p].extend(_prefill_once(model, ids[p], clock) for _ in range(repeat))
     prefills = tuple(StepTiming(1, p, tuple(seconds[p])) for p in prompt_lens)
     return PrefillSweep(prefills, StepTiming(1, prompt_lens[0], tuple(steps)))
 
