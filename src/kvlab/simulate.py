@@ -27,7 +27,7 @@ from __future__ import annotations
 import gc
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
@@ -35,6 +35,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from kvlab.block_manager import BlockManager
+from kvlab.claims import Check
 from kvlab.metrics import SLO, RequestMetrics, StepStats, summarize
 from kvlab.scheduler import Scheduler, SchedulerConfig
 from kvlab.sequence import SamplingParams
@@ -167,6 +168,58 @@ class ResampledStepCost:
         return float(
             self.base(num_new_tokens, context_lens) * self.ratios[int(self._rng.integers(len(self.ratios)))]
         )
+
+
+@dataclass(frozen=True)
+class BatchCorrectedCost:
+    """A linear cost whose decode-only steps are scaled per batch size by what calibration measured.
+
+    On a CPU a decode step's matmuls have one row per sequence, and the math library picks its kernel by the row
+    count: the same 576 x 1,536 projection of SmolLM2-135M took 0.25 ms for 1-3 rows and 0.46 ms for 4 with
+    AVX-512, and 0.27 ms for 1 row but 0.64 ms for 2 with AVX2 (one thread). The step cost is a step function of
+    the batch size whose steps move with the instruction set, so a term linear in the sequences over- or
+    under-charges the batch sizes between its anchors (a median ITL predicted 15-40 % high on the 3-sequence
+    steps of a static batch). Here a decode-only step of `n` sequences costs the linear cost times
+    `decode_factors[n]`, the median measured/fitted ratio of the calibration's decode-only steps of `n`
+    sequences; other steps (prompt chunks in them) and batch sizes calibration never ran keep the linear cost.
+    """
+
+    base: LinearStepCost
+    decode_factors: Mapping[int, float]
+
+    def __post_init__(self) -> None:
+        for n, f in self.decode_factors.items():
+            if n < 1 or not math.isfinite(f) or f <= 0:
+                raise ValueError(f"decode factors are positive, per batch size >= 1; got {n}: {f!r}")
+
+    @classmethod
+    def from_records(
+        cls, base: LinearStepCost, records: Sequence[StepRecord], min_steps: int = 2
+    ) -> BatchCorrectedCost:
+        """Factors from the decode-only steps of `records`, for batch sizes with at least `min_steps` of them."""
+        ratios: dict[int, list[float]] = {}
+        for r in records:
+            if r.num_prefill_seqs == 0 and r.num_batched_tokens == r.num_seqs:
+                ratios.setdefault(r.num_seqs, []).append(
+                    (r.seconds + (r.gap_s or 0.0)) / base.of(*r.features)
+                )
+        return cls(base, {n: float(np.median(v)) for n, v in sorted(ratios.items()) if len(v) >= min_steps})
+
+    def __call__(self, num_new_tokens: Sequence[int], context_lens: Sequence[int]) -> float:
+        return self.of(
+            sum(num_new_tokens), sum(context_lens), len(num_new_tokens), sum(n > 1 for n in num_new_tokens)
+        )
+
+    def of(self, batched_tokens: int, context_tokens: int, num_seqs: int, num_prefill_seqs: int = 0) -> float:
+        seconds = self.base.of(batched_tokens, context_tokens, num_seqs, num_prefill_seqs)
+        if num_prefill_seqs == 0 and batched_tokens == num_seqs:
+            return seconds * self.decode_factors.get(num_seqs, 1.0)
+        return seconds
+
+    def scaled(self, factor: float) -> BatchCorrectedCost:
+        """Every step `factor` times as costly (what a mutation test charges)."""
+        base = LinearStepCost(*(getattr(self.base, name) * factor for name in _COST_TERMS))
+        return replace(self, base=base)
 
 
 @dataclass
@@ -342,6 +395,16 @@ def simulate(
     )
 
 
+def simulate_at_rates(
+    trace_at: Callable[[float], Sequence[TraceRequest]],
+    rates: Iterable[float],
+    cost: StepCost | Callable[[Sequence[int], Sequence[int]], float],
+    **knobs: Any,
+) -> list[dict[str, float]]:
+    """`simulate(trace_at(rate), cost, **knobs).summary()` for each arrival rate, in order: a load sweep."""
+    return [simulate(trace_at(rate), cost, **knobs).summary() for rate in rates]
+
+
 # --- measuring a real engine: what the simulator is validated against -------------------------------------------
 
 
@@ -386,6 +449,8 @@ class EngineRun:
     steps: list[StepRecord]
     num_preemptions: int
     num_blocks: int
+    token_ids: list[list[int]] = field(default_factory=list)  # each request's output tokens, trace order
+    top_token_ids: list[list[list[int]]] = field(default_factory=list)  # per token, its top ids (`logprobs`)
 
     def summary(self, slo: SLO | None = None, qs: Sequence[float] = (50, 95, 99)) -> dict[str, float]:
         out = summarize(self.requests, slo=slo, qs=qs)
@@ -394,14 +459,19 @@ class EngineRun:
 
 
 def record_engine_steps(
-    model: Any, trace: Iterable[TraceRequest], clock: ClockKind = "wall", **engine_knobs: Any
+    model: Any,
+    trace: Iterable[TraceRequest],
+    clock: ClockKind = "wall",
+    logprobs: int | None = None,
+    **engine_knobs: Any,
 ) -> EngineRun:
     """Replay `trace` on `kvlab.engine.LLMEngine(model, **engine_knobs)`, timing every step on `clock`.
 
     A step's seconds run from the start of `LLMEngine.step()` to its return (scheduling, the forward, sampling,
     bookkeeping); its `gap_s`, from that return to the next step's start (this loop's own work). Idle waits for
     the next arrival are neither. `clock="cpu"` times the engine in process CPU time with idle waits jumped
-    (see `_RecordingClock`): the measurement a loaded shared machine can repeat.
+    (see `_RecordingClock`): the measurement a loaded shared machine can repeat. The run keeps each request's
+    output tokens and, with `logprobs`, each token's `logprobs` best ids (as `LLMEngine.replay`).
     """
     from kvlab.engine import LLMEngine
 
@@ -415,7 +485,7 @@ def record_engine_steps(
     seqs = [
         engine.add_request(
             r.prompt_token_ids,
-            SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
+            SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, logprobs=logprobs),
             arrival_time=start + r.arrival_time,
         )
         for r in trace
@@ -457,7 +527,14 @@ def record_engine_steps(
         seq.metrics.first_token_time = (seq.metrics.first_token_time or 0.0) - start
         seq.metrics.finish_time = (seq.metrics.finish_time or 0.0) - start
         seq.metrics.token_times = [t - start for t in seq.metrics.token_times]
-    return EngineRun([s.metrics for s in seqs], steps, engine.num_preemptions, engine.num_blocks)
+    return EngineRun(
+        [s.metrics for s in seqs],
+        steps,
+        engine.num_preemptions,
+        engine.num_blocks,
+        [list(s.output_token_ids) for s in seqs],
+        [[list(t) for t in s.top_token_ids] for s in seqs],
+    )
 
 
 @contextmanager
@@ -490,6 +567,10 @@ class Calibration:
     def resampled(self, seed: int = 0) -> ResampledStepCost:
         """The fitted cost times measured/fitted ratios of the calibration steps, drawn at random."""
         return ResampledStepCost.from_records(self.cost, self.steps, seed)
+
+    def batch_corrected(self) -> BatchCorrectedCost:
+        """The fitted cost with its decode steps scaled per batch size as calibration measured them."""
+        return BatchCorrectedCost.from_records(self.cost, self.steps)
 
     def residuals(self) -> np.ndarray:
         """Measured / fitted for every calibration step (step plus host gap)."""
@@ -623,3 +704,32 @@ VALIDATION_KEYS = (
     "p99_e2el_ms",
     "output_throughput",
 )
+
+# Chapter 14's claim: each error of `validate` (the median over its rounds) within a band, per percentile. The
+# goal is Vidur's (10 % at P50, 20 % at P99); the bands hold the spread a shared 2-core machine shows in CPU time
+# between a calibration replay and the validation replay after it (the speed per operation drifts with the load
+# on the sibling core). benchmarks/bench_simulator.py measures single rounds and the rate at which one attempt
+# misses; chapter 14's lab states the runs behind these numbers.
+VALIDATION_GOAL = {"median": 0.10, "p99": 0.20, "output": 0.10}
+VALIDATION_BANDS = {"median": 0.30, "p99": 0.50, "output": 0.25}
+
+
+def band_for(key: str, bands: dict[str, float] = VALIDATION_BANDS) -> float:
+    """The band of a `VALIDATION_KEYS` key: by its first word (median, p99, output)."""
+    return bands[key.split("_")[0]]
+
+
+def validation_checks(
+    rows: Sequence[ValidationRow], bands: dict[str, float] = VALIDATION_BANDS
+) -> list[Check]:
+    """Chapter 14's claim on one `validate` run, as `kvlab.claims` checks: every load's error of every
+    `VALIDATION_KEYS` key within its band."""
+    return [
+        Check(
+            f"{row.label} {key.removesuffix('_ms')}",
+            abs(error) <= band_for(key, bands),
+            f"{error:+.0%} against ±{band_for(key, bands):.0%}",
+        )
+        for row in rows
+        for key, error in row.errors.items()
+    ]
