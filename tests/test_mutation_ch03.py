@@ -46,11 +46,13 @@ def test_a_prefill_timed_one_token_at_a_time_misses(model, monkeypatch):
 def test_a_predicted_step_cost_doubled_misses(model, monkeypatch):
     real = timing.predict_bench_step
     monkeypatch.setattr(timing, "predict_bench_step", lambda *args: 2 * real(*args))
-    contexts, batch_sizes = [16, 1024, 4096], [1, 16]
+    # the lab's contexts and sampling: the step runs 0.9-1.6x its true prediction there, so a doubled one
+    # comes in below the floor at one context at least (at every one, in most measurements)
+    contexts, batch_sizes = [16, 256, 1024, 4096], [1, 16]
     points = timing.decode_points(contexts, batch_sizes, 128)
     verdict = claims.measure_claim(
         "decode",
-        lambda: timing.sweep_decode(model, points, repeat=2, rounds=3),
+        lambda: timing.sweep_decode(model, points, repeat=3, rounds=5),
         lambda s: timing.check_context_growth(
             s, contexts, batch_sizes, 128, min_predicted_growth=1.5, ratio_high=2
         ),
@@ -58,4 +60,4 @@ def test_a_predicted_step_cost_doubled_misses(model, monkeypatch):
     )
     assert not verdict.holds
     missed = [c.name for c in verdict.attempts[-1].misses]
-    assert any(name.endswith("measured/predicted") for name in missed), missed
+    assert any(name.startswith("batch 1, context") for name in missed), missed

@@ -27,7 +27,7 @@ def model():
 def run(model):
     verdict = claims.measure_claim(
         "roofline",
-        lambda: timing.sweep_decode(model, timing.decode_points(CONTEXTS, BATCHES, 16), repeat=2, rounds=3),
+        lambda: timing.sweep_decode(model, timing.decode_points(CONTEXTS, BATCHES, 16), repeat=3, rounds=5),
         lambda s: timing.check_roofline(s, CONTEXTS, BATCHES, 16, dominance=3, ratio_high=2),
         attempts=1,
     )
