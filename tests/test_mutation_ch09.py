@@ -121,9 +121,9 @@ def test_a_doubled_prefill_cost_fails_the_sharing_claim(real, monkeypatch):
 def test_a_cache_that_never_hits_fails_the_probe_claim(real, never_hits):
     names = missed(probe_verdict(real))
     assert "shared cache: right guess, cached tokens" in names
-    assert "shared cache: right guess, TTFT (ms) as predicted" in names, names
+    assert "shared cache: TTFT of the right guess over the wrong one as predicted" in names, names
 
 
 def test_hits_reported_but_recomputed_fail_the_probe_claim(real, recompute_hits):
     names = missed(probe_verdict(real))
-    assert "shared cache: right guess, TTFT (ms) as predicted" in names, names
+    assert "shared cache: TTFT of the right guess over the wrong one as predicted" in names, names

@@ -106,13 +106,15 @@ def test_measure_and_check_probes_on_a_tiny_model(model):
     exact = [name for name in checks if "cached tokens" in name or "prefix hits" in name]
     assert len(exact) == 4 and all(checks[name].holds for name in exact)
     assert "the hit is visible in TTFT (ms): right guess faster than wrong" in checks
+    assert "own salt: TTFT of the right guess over the wrong one as predicted" in checks
+    assert len(checks) == 4 + 2 + 1
     # a cache that never hit: the right guess takes a whole prefill, which the prediction does not allow
     slow = dataclasses.replace(run.shared["right guess"], cached_tokens=0,
                                ttft_ms=3 * run.shared["wrong guess"].ttft_ms)  # fmt: skip
     missed = pt.check_probes(dataclasses.replace(run, shared=run.shared | {"right guess": slow}), 32, 0.4)
-    assert {c.name for c in missed if not c.holds} >= {
+    assert {c.name for c in missed if not c.holds} == {
         "shared cache: right guess, cached tokens",
-        "shared cache: right guess, TTFT (ms) as predicted",
+        "shared cache: TTFT of the right guess over the wrong one as predicted",
         "the hit is visible in TTFT (ms): right guess faster than wrong",
     }
 

@@ -13,8 +13,9 @@ Two measurements, each checked by `kvlab.claims` conditions so that a lab can ru
   and on, is within a tolerance of the prediction.
 - `measure_probes` is the side channel: after a victim's request warmed the cache, an attacker's right and wrong
   guesses of the system prompt, under the victim's salt and under its own. `check_probes`: the right guess hits
-  the whole prefix under a shared salt and nothing under its own; the wrong guess hits nothing; every probe's
-  TTFT is within the tolerance of the calibrated cost of the tokens it computed; and the hit answers faster.
+  the whole prefix under a shared salt and nothing under its own; the wrong guess hits nothing; the right guess's
+  TTFT over the wrong guess's is the ratio the calibrated cost predicts, within the tolerance; and the hit answers
+  faster.
 
 Timing the calibration prompts in the same rounds as the measured requests, the fastest round counting on both
 sides, keeps a shared machine's drifting speed out of the comparison.
@@ -334,8 +335,11 @@ def measure_probes(
 
 def check_probes(run: ProbeRun, prefix_len: int, tolerance: float) -> list[claims.Check]:
     """The claim on one `measure_probes`: exact hits (the right guess finds the whole prefix in a shared cache and
-    nothing under its own salt; the wrong guess nothing), every probe's TTFT within `tolerance` of the calibrated
-    cost of the tokens it computed, and the hit visible: the right guess answers faster than the wrong one."""
+    nothing under its own salt; the wrong guess nothing); the hit visible: the right guess answers faster than the
+    wrong one, by the ratio the calibrated cost predicts for what a working cache leaves each to compute (the
+    prefix served to the right guess in a shared cache, nothing otherwise), within `tolerance`; and under its own
+    salt the right guess answers like the wrong one, as predicted. The ratios compare two probes served back to
+    back, so a machine whose speed drifts between the calibration and the probes slows both alike."""
     shared, salted = run.shared, run.salted
     checks = [
         _equal("shared cache: right guess, cached tokens", shared["right guess"].cached_tokens, prefix_len),
@@ -343,13 +347,11 @@ def check_probes(run: ProbeRun, prefix_len: int, tolerance: float) -> list[claim
         _equal("shared cache: wrong guess, cached tokens", shared["wrong guess"].cached_tokens, 0),
         _equal("own salt: prefix hits the engine reported", run.salted_hits, 0),
     ]
-    for label, probes in (("shared cache", shared), ("own salt", salted)):
-        for name, probe in probes.items():
-            # what a working prefix cache serves: the prefix to the right guess in a shared cache, else nothing
-            served = prefix_len if (label, name) == ("shared cache", "right guess") else 0
-            predicted = prefill_ms(run.cost, probe.prompt_len - served)
-            name = f"{label}: {name}, TTFT (ms) as predicted"
-            checks.append(claims.within(name, probe.ttft_ms, predicted, tolerance))
+    for label, probes, served in (("shared cache", shared, prefix_len), ("own salt", salted, 0)):
+        right, wrong = probes["right guess"], probes["wrong guess"]
+        predicted = prefill_ms(run.cost, right.prompt_len - served) / prefill_ms(run.cost, wrong.prompt_len)
+        name = f"{label}: TTFT of the right guess over the wrong one as predicted"
+        checks.append(claims.within(name, right.ttft_ms / wrong.ttft_ms, predicted, tolerance))
     checks.append(
         claims.less(
             "the hit is visible in TTFT (ms): right guess faster than wrong",
