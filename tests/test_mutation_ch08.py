@@ -71,8 +71,9 @@ def test_a_doubled_step_cost_misses_the_predictions(measure, monkeypatch):
     monkeypatch.setattr(wallclock, "fit_step_cost", doubled)
     misses = missed(verdict(measure))
     # Measured / predicted is about 0.5 (latencies) or 2 (throughput), far outside 40 %; a load change inside
-    # the attempt can hide some checks (as it can fail the true claim), not half of them.
-    assert len(misses & PREDICTION_CHECKS) >= 4 and misses <= PREDICTION_CHECKS | BAND_CHECKS, misses
+    # the attempt can hide some checks (as it can fail the true claim), not half of them. The same load can
+    # also make a measured-only check miss in this single attempt, so only the prediction checks are counted.
+    assert len(misses & PREDICTION_CHECKS) >= 4, misses
 
 
 def test_static_labelled_as_continuous_misses_the_order_checks(measure):

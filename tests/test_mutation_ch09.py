@@ -101,8 +101,10 @@ def test_hits_reported_but_recomputed_fail_the_sharing_claim(real, recompute_hit
 
 def test_a_cache_that_never_hits_fails_the_sharing_claim(real, never_hits):
     names = missed(sharing_verdict(real))
-    assert "100% sharing: prefix hits the engine reported" in names
-    assert "100% sharing, caching on: mean TTFT (ms) as predicted" in names, names
+    # The exact counts catch it on every machine; whether the TTFT check also misses depends on how far a
+    # recomputed prefix moves the mean at these sizes, so it is not required.
+    assert "100% sharing: prefix hits the engine reported" in names, names
+    assert "100% sharing: prefill tokens scheduled, caching on" in names, names
 
 
 def test_a_doubled_prefill_cost_fails_the_sharing_claim(real, monkeypatch):
