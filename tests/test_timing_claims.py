@@ -5,21 +5,14 @@ import math
 
 import pytest
 import torch
+from test_step_overhead import FAKE_DEVICE
 
-from kvlab import claims, decode, hardware, roofline, timing
+from kvlab import claims, decode, roofline, timing
 from kvlab.models import tiny_config, tiny_model
 from kvlab.roofline import StepEstimate
 
-FAKE = hardware.Measurement(
-    name="fake device",
-    memory_bytes=2**34,
-    bandwidth_bytes_per_s=10e9,
-    flops=40e9,
-    flops_dtype="float32",
-    host_link_bytes_per_s=None,
-    copy_bytes=2**28,
-    matmul_size=1024,
-)
+# The same round-figure device the overhead tests use: predictions below are exact arithmetic.
+FAKE = FAKE_DEVICE
 CONFIG = tiny_config("llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=256)
 
 
