@@ -24,9 +24,10 @@ from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError
+from nbclient.exceptions import CellExecutionError, DeadKernelError
 
 from kvlab import claims
+from kvlab.env import env_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,6 +40,8 @@ class Run:
     load_average: float
     failed_at: str = ""
     attempts: list[claims.AttemptLine] = field(default_factory=list)
+    # The 1-minute load average when the run ended: the load it actually shared the machine with.
+    load_after: float = 0.0
 
 
 def _spin() -> None:
@@ -84,9 +87,13 @@ def run_lab(lab: Path, number: int, timeout: int) -> Run:
         client.execute()
     except CellExecutionError as err:
         failed = _failure(err)
+    except (DeadKernelError, TimeoutError, RuntimeError) as err:
+        # A kernel that dies or hangs is a failed run too, not the end of the whole sweep.
+        failed = f"{type(err).__name__}: {err}".splitlines()[0][:200]
     seconds = time.perf_counter() - start
     name = str(lab.parent.relative_to(ROOT))
-    return Run(name, number, seconds, load, failed, claims.parse_attempts(_stream_text(nb)))
+    attempts = claims.parse_attempts(_stream_text(nb))
+    return Run(name, number, seconds, load, failed, attempts, os.getloadavg()[0])
 
 
 def report(runs: list[Run], load: int) -> str:
@@ -98,7 +105,7 @@ def report(runs: list[Run], load: int) -> str:
     for lab, done in by_lab.items():
         failures = Counter(r.failed_at for r in done if r.failed_at)
         seconds = sorted(r.seconds for r in done)[len(done) // 2]
-        loads = sum(r.load_average for r in done) / len(done)
+        loads = sum((r.load_average + r.load_after) / 2 for r in done) / len(done)
         where = "; ".join(f"{n}x {what}" for what, n in failures.most_common()) or "-"
         lines.append(
             f"{lab:32} {len(done):>4} {sum(failures.values()):>6} {seconds:>8.0f} {loads:>8.2f}  {where}"
@@ -144,17 +151,24 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(run)
                 state = f"FAILED: {run.failed_at}" if run.failed_at else "ok"
                 print(f"run {number}/{args.runs} {run.lab}: {state} ({run.seconds:.0f} s)", flush=True)
+                # Written after every run, so a sweep cut short still leaves its runs on disk.
+                _write(args.json, runs, args.load)
     finally:
         for p in spinners:
             p.terminate()
-    text = report(runs, args.load)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps({"load": args.load, "runs": [asdict(r) for r in runs], "report": text}, indent=1)
-        )
+    print(report(runs, args.load))
     return 0
+
+
+def _write(path: Path | None, runs: list[Run], load: int) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    env = env_report()
+    machine = {key: env.get(key) for key in ("cpu", "cpu_capability", "threads", "torch")}
+    text = report(runs, load)
+    payload = {"load": load, "machine": machine, "runs": [asdict(r) for r in runs], "report": text}
+    path.write_text(json.dumps(payload, indent=1) + "\n")
 
 
 if __name__ == "__main__":
