@@ -279,8 +279,15 @@ def time_call(
     warmup: int = 1,
     clock: Callable[[], float] | None = None,
 ) -> list[float]:
-    """Seconds per call of `fn`, `repeat` times after `warmup` calls (CUDA events on GPU; on CPU `clock`, by
-    default the wall clock)."""
+    """The one best-of-N timer: the seconds of each of `repeat` calls of `fn`, after `warmup` untimed calls.
+
+    The best is `min` of the list (on a shared machine noise only ever adds time), the median
+    `percentiles(times, (50,))["p50"]`. Each call is timed by a `Timer`: on a GPU between CUDA events recorded on
+    the current stream before and after `fn`, waited for, so asynchronous work `fn` queues on that stream (a
+    non-blocking copy, a kernel) is counted; on a CPU by `clock`, by default the wall clock (`time.perf_counter`;
+    `step_clock` gives the thread's CPU time). A result `fn` returns is dropped: a caller that needs it keeps it
+    from inside `fn`.
+    """
     if repeat < 1 or warmup < 0:
         raise ValueError(f"repeat must be >= 1 and warmup >= 0, got {repeat}, {warmup}")
     device = pick_device(device)
