@@ -69,7 +69,7 @@ browser: install
 	$(BIN)/pytest tests/browser_book.py -p no:cacheprovider
 
 ## make lab: JupyterLab at the repository root with the venv's kernel (labs trusted); prints the URL to open.
-## LAB_PORT=8888 LAB_IP=127.0.0.1 by default; as root it adds --allow-root. Remote box: see the README.
+## LAB_PORT=8888 LAB_IP=127.0.0.1 by default; as root it adds --allow-root. Remote box: see docs/running.md.
 LAB_PORT ?= 8888
 LAB_IP ?= 127.0.0.1
 lab: install

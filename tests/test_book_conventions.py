@@ -1,4 +1,4 @@
-"""Every lab follows the book's conventions (see README, "Notebook conventions")."""
+"""Every lab follows the book's conventions (see docs/conventions.md)."""
 
 import json
 import re
@@ -122,14 +122,16 @@ def test_bounds_are_never_rounded_the_wrong_way(value, decimals, lower, upper):
     assert float(lower.replace(",", "")) <= value <= float(upper.replace(",", ""))
 
 
-def test_readme_module_map_matches_the_code():
-    # The README's module table names every public module of src/kvlab, and only modules that exist.
-    readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("| module |") :].split("\n\n", 1)[0]
+def test_module_map_matches_the_code():
+    # docs/modules.md, which the README links, names every public module of src/kvlab, and only modules that exist.
+    text = (ROOT / "docs" / "modules.md").read_text()
+    table = text[text.index("| module |") :].split("\n\n", 1)[0]
     named = set(re.findall(r"`kvlab\.([a-z_]+)`", table))
-    modules = {p.stem for p in (ROOT / "src" / "kvlab").glob("*.py") if not p.stem.startswith("_")}
-    assert named - modules == set(), "README names modules that do not exist"
-    assert modules - {"cli", "env"} - named == set(), "modules missing from the README's module map"
+    src = ROOT / "src" / "kvlab"
+    packages = {p.parent.name for p in src.glob("*/__init__.py")}
+    modules = {p.stem for p in src.glob("*.py") if not p.stem.startswith("_")} | packages
+    assert named - modules == set(), "docs/modules.md names modules that do not exist"
+    assert modules - {"cli", "env"} - named == set(), "modules missing from docs/modules.md"
 
 
 def test_install_cells_pin_the_executed_kvlab():
@@ -205,3 +207,15 @@ def test_small_fonts_are_found():
 def test_no_font_below_9_points_in_labs(lab):
     found = [f for cell in code_cells(lab) for f in small_fonts(source(cell))]
     assert found == [], f"{lab.relative_to(ROOT)}: use kvlab.plot's style or plot.compact_text(), not {found}"
+
+
+def test_readme_reads_in_one_screen():
+    # The README is the pitch, the two commands, the layout and the chapters; the rest lives in docs/.
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.encode()) <= 8192, f"README.md is {len(readme.encode())} bytes, over 8 KB"
+    assert readme.index("make book") < readme.index("## The chapters")
+    for link in re.findall(r"\]\((docs/[^)]+)\)", readme):
+        assert (ROOT / link).is_file(), f"README links {link}, which does not exist"
+    chapters = sorted(p.parent.name for p in (ROOT / "book").glob("[0-9][0-9]_*/index.md"))
+    listed = re.findall(r"^(\d+)\. \*\*", readme, flags=re.M)
+    assert [int(n) for n in listed] == list(range(1, len(chapters) + 1)), "one line per chapter, in order"
