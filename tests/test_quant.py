@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import QuantizedCache
 
-from kvlab import measure, models, quant
+from kvlab import kv_format, measure, models, quant
 from kvlab.agreement import compare_tokens, generate_with_top_k
 from kvlab.report import keeps_tokens
 
@@ -21,19 +21,19 @@ def _states(*shape, seed=0):
 
 def test_int8_round_trip_within_half_a_step():
     x = _states(2, 3, 17, 64)
-    codes, scale = quant.quantize_int8(x)
+    codes, scale = kv_format.quantize_int8(x)
     assert codes.dtype == torch.int8 and codes.shape == x.shape
     assert scale.dtype == torch.float16 and scale.shape == (2, 3, 17, 1)
-    err = (quant.dequantize_int8(codes, scale, torch.float32) - x).abs()
+    err = (kv_format.dequantize_int8(codes, scale, torch.float32) - x).abs()
     assert (err <= scale.float() / 2 * (1 + 1e-3) + 1e-6).all()
     assert codes.abs().max() <= 127
 
 
 def test_fp8_round_trip_relative_error():
     x = _states(2, 3, 17, 64, seed=1)
-    codes, scale = quant.quantize_fp8(x)
+    codes, scale = kv_format.quantize_fp8(x)
     assert codes.dtype == torch.float8_e4m3fn and codes.shape == x.shape and scale.shape == (2, 3, 17, 1)
-    err = (quant.dequantize_fp8(codes, scale, torch.float32) - x).abs()
+    err = (kv_format.dequantize_fp8(codes, scale, torch.float32) - x).abs()
     # e4m3 keeps 3 mantissa bits: half an ulp is 1/16 of the value; subnormals step by 2^-9 of the scale.
     assert (err <= x.abs() / 16 * (1 + 1e-3) + scale.float() * 2**-10 + 1e-6).all()
 

@@ -5,7 +5,7 @@ and on the real model greedy outputs stay close to the unquantized engine's."""
 import pytest
 import torch
 
-from kvlab import measure, models, quant
+from kvlab import kv_format, measure, models
 from kvlab.agreement import compare_tokens
 from kvlab.config import EngineConfig
 from kvlab.engine import LLMEngine
@@ -70,8 +70,8 @@ def test_pool_write_then_gather_round_trips(kv_cache_dtype):
     kb, vb = pool.gather(1, torch.tensor([1, 2, 0]))
     got_k = kb.flatten(0, 1)[[1, 2, 3, 4, 5, 8]]  # slots 5..9 sit in blocks 1, 2; slot 0 in block 0
     got_v = vb.flatten(0, 1)[[1, 2, 3, 4, 5, 8]]
-    quantize = quant.quantize_int8 if kv_cache_dtype == "int8" else quant.quantize_fp8
-    dequantize = quant.dequantize_int8 if kv_cache_dtype == "int8" else quant.dequantize_fp8
+    quantize = kv_format.quantize_int8 if kv_cache_dtype == "int8" else kv_format.quantize_fp8
+    dequantize = kv_format.dequantize_int8 if kv_cache_dtype == "int8" else kv_format.dequantize_fp8
     for got, x in ((got_k, k), (got_v, v)):
         assert got.dtype == torch.float32
         assert torch.equal(got, dequantize(*quantize(x), torch.float32))  # exactly the quantizer's round trip
@@ -89,7 +89,7 @@ def test_bad_kv_cache_dtype_raises_a_clear_error(bad):
 
 
 def test_fp8_e4m3_is_an_alias_of_fp8():
-    assert quant.pool_format("fp8_e4m3") == quant.pool_format("fp8")
+    assert kv_format.pool_format("fp8_e4m3") == kv_format.pool_format("fp8")
 
 
 @pytest.fixture(scope="module")

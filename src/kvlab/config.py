@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from kvlab.quant import pool_format
+from kvlab.kv_format import pool_format
 from kvlab.scheduler import SchedulerConfig, Scheduling
 
 KVLayout = Literal["paged", "contiguous"]

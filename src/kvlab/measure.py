@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from kvlab.env import pick_device
+from kvlab.kv_format import SCALE_DTYPE, pool_format
 
 # The CPU memory tracker relies on three torch internals; another torch version may move them. Import them
 # guarded, so that only the CPU tracker fails, with a message that says why.
@@ -160,8 +161,6 @@ def expected_pool_bytes(
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     if kv_cache_dtype == "auto":
         return num_tokens * module_kv_bytes_per_token(model, dtype)
-    from kvlab.quant import SCALE_DTYPE, pool_format
-
     code_dtype = pool_format(kv_cache_dtype).code_dtype
     assert code_dtype is not None
     elements = module_kv_bytes_per_token(model, torch.uint8)  # K and V elements per token, all layers

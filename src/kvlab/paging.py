@@ -35,8 +35,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvlab.arch import describe
+from kvlab.kv_format import SCALE_DTYPE, pool_format
 from kvlab.layers import SlidingWindowAttention
-from kvlab.quant import SCALE_DTYPE, pool_format
 
 ATTN_IMPLEMENTATION = "kvlab_paged"
 
@@ -112,7 +112,7 @@ class KVPool:
 
     `kv_cache_dtype` (vLLM's name): ``"auto"`` stores K and V in `dtype`, the model's. ``"fp8"`` (e4m3) and
     ``"int8"`` store `kv` as one byte per element and `scales`, one fp16 scale per token and head
-    `(layers, 2, num_blocks, block_size, kv_heads)`: `write` quantizes (`kvlab.quant.quantize_fp8` /
+    `(layers, 2, num_blocks, block_size, kv_heads)`: `write` quantizes (`kvlab.kv_format.quantize_fp8` /
     `quantize_int8`), `gather` dequantizes the blocks it reads into the workspace, in `dtype`.
     """
 

@@ -20,7 +20,8 @@ that transient copy is the decode step's *working set*, measured separately by `
 Sliding-window layers (Mistral, Gemma, ...) keep transformers' `DynamicSlidingWindowLayer` in full precision by
 default (``sliding="full"``): they hold at most ``window - 1`` tokens, a bounded cost, and quantizing them would
 need a ring buffer of codes. ``sliding="error"`` refuses such models instead, as transformers' `QuantizedCache`
-always does. Chapter: *Quantizing the cache* (book/11_kv_quantization).
+always does. The int8 and fp8 quantizers, and the storage format of the engine's paged pool, are
+`kvlab.kv_format`'s. Chapter: *Quantizing the cache* (book/11_kv_quantization).
 """
 
 from __future__ import annotations
@@ -35,35 +36,17 @@ import torch
 from transformers import Cache, DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
-SCALE_DTYPE = torch.float16
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
-_TINY_SCALE = torch.finfo(SCALE_DTYPE).tiny  # keeps an all-zero token's scale positive in fp16
+from kvlab.kv_format import (
+    SCALE_DTYPE,
+    TINY_SCALE,
+    dequantize_fp8,
+    dequantize_int8,
+    quantize_fp8,
+    quantize_int8,
+)
 
 # ---------------------------------------------------------------------------------------------------------------
-# Quantizers on plain tensors (pure functions, tested one by one).
-
-
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 over the last dimension: codes in [-127, 127] and one fp16 scale per row."""
-    scale = (x.abs().amax(dim=-1, keepdim=True).float() / 127).clamp(min=_TINY_SCALE).to(SCALE_DTYPE)
-    codes = torch.round(x.float() / scale.float()).clamp(-127, 127).to(torch.int8)
-    return codes, scale
-
-
-def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (codes.float() * scale.float()).to(dtype)
-
-
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8 e4m3 over the last dimension: each row scaled so its largest magnitude maps to 448."""
-    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=_TINY_SCALE).to(SCALE_DTYPE)
-    codes = (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return codes, scale
-
-
-def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (codes.float() * scale.float()).to(dtype)
+# Quantizers on plain tensors (pure functions, tested one by one); int8 and fp8 are `kvlab.kv_format`'s.
 
 
 def quantize_groups(
@@ -82,7 +65,7 @@ def quantize_groups(
     grouped = x.float().unflatten(dim, (n // group_size, group_size))
     lo = grouped.amin(dim=dim + 1, keepdim=True).to(SCALE_DTYPE)
     hi = grouped.amax(dim=dim + 1, keepdim=True)
-    scale = ((hi - lo.float()) / levels).clamp(min=_TINY_SCALE).to(SCALE_DTYPE)
+    scale = ((hi - lo.float()) / levels).clamp(min=TINY_SCALE).to(SCALE_DTYPE)
     codes = torch.round((grouped - lo.float()) / scale.float()).clamp(0, levels).to(torch.uint8)
     return codes.flatten(dim, dim + 1), scale.squeeze(dim + 1), lo.squeeze(dim + 1)
 
@@ -118,47 +101,6 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     mask = 2**bits - 1
     parts = [(packed >> (bits * i)) & mask for i in range(per_byte)]
     return torch.stack(parts, dim=-1).flatten(-2)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The engine's paged pool in 8 bits (`EngineConfig(kv_cache_dtype=...)`, read by `kvlab.paging.KVPool`).
-
-# vLLM's `--kv-cache-dtype` names: "auto" stores K/V in the model's dtype; "fp8" (= "fp8_e4m3") and kvlab's "int8"
-# store one byte per element plus one fp16 scale per token and head, quantized on write, dequantized on read.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
-
-
-@dataclass(frozen=True)
-class PoolFormat:
-    """How an engine pool stores K/V: `code_dtype` None keeps the model's dtype (no scales)."""
-
-    name: str
-    code_dtype: torch.dtype | None
-    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None
-
-    @property
-    def quantized(self) -> bool:
-        return self.code_dtype is not None
-
-    def bytes_per_head_token(self, head_dim: int, dtype: torch.dtype) -> int:
-        """Bytes one token of one K (or V) head takes: codes plus its fp16 scale, or `head_dim` model elements."""
-        if self.code_dtype is None:
-            return head_dim * dtype.itemsize
-        return head_dim * self.code_dtype.itemsize + SCALE_DTYPE.itemsize
-
-
-def pool_format(kv_cache_dtype: str) -> PoolFormat:
-    """The `PoolFormat` of a `kv_cache_dtype` name; a `ValueError` lists the known names."""
-    if kv_cache_dtype == "auto":
-        return PoolFormat("auto", None, None)
-    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
-        return PoolFormat("fp8", FP8_DTYPE, quantize_fp8)
-    if kv_cache_dtype == "int8":
-        return PoolFormat("int8", torch.int8, quantize_int8)
-    raise ValueError(
-        f"unknown kv_cache_dtype {kv_cache_dtype!r}; known: {', '.join(KV_CACHE_DTYPES)} "
-        "('auto' = the model's dtype)"
-    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
