@@ -11,7 +11,8 @@ export PYTHONHASHSEED := 0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help test-fast install book book-checked test lint pytest nbval smoke book-check outputs clean fork lab browser colab colab-nbval gpu gpu-wheels
+PHONY_TESTS := test-untimed test-timed
+.PHONY: help test-fast install book book-checked test $(PHONY_TESTS) lint pytest nbval smoke book-check outputs clean fork lab browser colab colab-nbval gpu gpu-wheels
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -36,9 +37,27 @@ book-checked: install
 	$(PY) tests/book_config.py stored > _build/_config.stored.yml
 	$(BIN)/jupyter-book build . --all -W -n --keep-going --config _build/_config.stored.yml
 
-## make test: lint, pytest, nbval on every notebook (in the Colab-like clean venv), a papermill smoke sweep, and a
-## warning-free book build.
-test: lint pytest colab-nbval smoke book-checked browser
+## make test: lint, pytest, nbval on every notebook (in the Colab-like clean venv, twice: this CPU's kernels and the
+## baseline ones), a papermill smoke sweep, a warning-free book build and the browser checks. The checks no load
+## can change run two at a time (test-untimed); the timed ones then run alone (test-timed).
+test: lint test-untimed test-timed smoke book-checked browser
+
+## make test-untimed: pytest's fast tests beside nbval of the untimed labs on baseline kernels (neither times
+## anything, so sharing the two cores changes no result; pytest's log is printed when both end).
+test-untimed: install
+	@mkdir -p _build; \
+	$(BIN)/pytest tests -p no:cacheprovider -m "not slow" --durations=15 > _build/pytest-fast.log 2>&1 & pid=$$!; \
+	python3 tests/colab_venv.py --nbval --capped-isa --kind untimed; labs=$$?; \
+	wait $$pid; tests=$$?; cat _build/pytest-fast.log; \
+	echo "pytest (not slow): exit $$tests; nbval of the untimed labs, baseline kernels: exit $$labs"; \
+	test $$tests -eq 0 -a $$labs -eq 0
+
+## make test-timed: one at a time, on a machine nothing else of the run loads: the slow tests (mutation runs, real
+## timing), nbval of every lab on this CPU's kernels, then of the timed labs on baseline kernels.
+test-timed: install
+	$(BIN)/pytest tests -p no:cacheprovider -m slow --durations=15
+	python3 tests/colab_venv.py --nbval
+	python3 tests/colab_venv.py --nbval --capped-isa --kind timed
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks _ext
@@ -46,7 +65,7 @@ lint: install
 	$(BIN)/mypy
 
 pytest: install
-	$(BIN)/pytest tests -p no:cacheprovider
+	$(BIN)/pytest tests -p no:cacheprovider --durations=15
 
 ## make test-fast: lint and the pytest tests not marked slow (no labs, no real timing, no mutation runs).
 test-fast: lint

@@ -112,7 +112,8 @@ def test_measure_and_check_probes_on_a_tiny_model(model):
     slow = dataclasses.replace(run.shared["right guess"], cached_tokens=0,
                                ttft_ms=3 * run.shared["wrong guess"].ttft_ms)  # fmt: skip
     missed = pt.check_probes(dataclasses.replace(run, shared=run.shared | {"right guess": slow}), 32, 0.4)
-    assert {c.name for c in missed if not c.holds} == {
+    # Superset, not equality: the salted probes' ratio is a real timing, which a loaded machine can move.
+    assert {c.name for c in missed if not c.holds} >= {
         "shared cache: right guess, cached tokens",
         "shared cache: TTFT of the right guess over the wrong one as predicted",
         "the hit is visible in TTFT (ms): right guess faster than wrong",
