@@ -38,6 +38,21 @@ def test_spec_table_known_values():
     assert str(err.value).startswith("unknown accelerator 'Z100'")  # no KeyError quoting
 
 
+@pytest.mark.parametrize(
+    "name, spec",
+    [("NVIDIA H200", "H200"), ("NVIDIA H100 80GB HBM3", "H100-SXM"), ("NVIDIA H100 PCIe", "H100-PCIe"),
+     ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("Tesla T4", "T4"), ("NVIDIA GeForce RTX 4090", None)],
+)  # fmt: skip
+def test_gpu_names_map_to_spec_entries(name, spec):
+    found = hardware.spec_for(name)
+    assert (found.name if found else None) == spec
+
+
+def test_pcie_rates_are_the_spec_tables():
+    assert hardware.get("H100-SXM").host_link_bytes_per_s == hardware.PCIE_X16_BYTES_PER_S[5] == 64e9
+    assert hardware.get("A100-80GB").host_link_bytes_per_s == hardware.PCIE_X16_BYTES_PER_S[4] == 32e9
+
+
 def test_measure_on_cpu_is_sane():
     m = hardware.measure("cpu", size_bytes=32 * 2**20, matmul_size=256, repeat=3)
     assert m.flops_dtype == "float32" and m.matmul_size == 256 and m.copy_bytes == 32 * 2**20
@@ -66,6 +81,25 @@ def test_probes_keep_every_timing_and_report_the_fastest():
         hardware.CopyProbe("cpu", 1000)
     with pytest.raises(ValueError):
         hardware.MatmulProbe("cpu", 0, torch.float32)
+    with pytest.raises(ValueError, match="not been timed"):
+        _ = hardware.MatmulProbe("cpu", 8, torch.float32).flops
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_the_host_link_probe_needs_a_gpu():
+    with pytest.raises(ValueError, match="CUDA"):
+        hardware.HostLinkProbe("cpu", 2**20)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the host link exists on a GPU machine only")
+def test_the_host_link_probe_times_both_directions():
+    for pinned in (True, False):
+        for to_device in (True, False):
+            probe = hardware.HostLinkProbe("cuda", 2**20, pinned=pinned, to_device=to_device)
+            probe.time(repeat=2, warmup=1)
+            assert len(probe.seconds) == 2 and probe.bandwidth_bytes_per_s == 2**20 / min(probe.seconds)
+            latencies = probe.latency(4)
+            assert len(latencies) == 4 and all(t > 0 for t in latencies)
 
 
 def test_measure_other_dtype():

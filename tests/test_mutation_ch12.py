@@ -1,6 +1,6 @@
 """Chapter 12's timing claim catches a wrong loop: the offloaded tier not read.
 
-The mutation goes through the same `kvlab.offload.measure_offload` and `check_offload` the lab runs through
+The mutation goes through the same `kvlab.offload.cost.measure_offload` and `check_offload` the lab runs through
 `kvlab.claims.measure_claim`, at the lab's model size and a shorter run (one context, the lab's 40 steps, one attempt). The
 mutant layers write their blocks to disk and re-read them from disk when the transfers are timed, so the tier's
 bandwidth is measured as usual, but their decode steps serve the K/V from a copy kept in RAM: a cache that claims
@@ -15,7 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvlab import claims, models, offload
+from kvlab import claims, models
+from kvlab.offload.cache import DiskLayer, OffloadedCache
+from kvlab.offload.cost import check_offload, measure_offload
+from kvlab.offload.loop import decode_lockstep, random_prompt
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +36,7 @@ def model():
     torch.set_num_threads(threads)
 
 
-class TierNotRead(offload.DiskLayer):
+class TierNotRead(DiskLayer):
     """Writes every block to disk, but decodes from a RAM copy; only `reread` (the timed transfer) reads disk."""
 
     def __init__(self, path, block_bytes: int) -> None:
@@ -63,7 +66,7 @@ class TierNotRead(offload.DiskLayer):
 
 
 def tier_not_read(config, layers, tier):
-    cache = offload.OffloadedCache(config, layers, tier=tier)
+    cache = OffloadedCache(config, layers, tier=tier)
     for index in layers:
         cache.layers[index] = TierNotRead(cache.layers[index].path, 64 * 1024)
     return cache
@@ -72,8 +75,8 @@ def tier_not_read(config, layers, tier):
 def verdict(model, make_cache):
     return claims.measure_claim(
         "offloaded step = compute + transfer",
-        lambda: offload.measure_offload(model, [1024], [1, 2, 3], "disk", 41, make_cache=make_cache),
-        offload.check_offload,
+        lambda: measure_offload(model, [1024], [1, 2, 3], "disk", 41, make_cache=make_cache),
+        check_offload,
         attempts=1,
         log=None,
     )
@@ -81,7 +84,7 @@ def verdict(model, make_cache):
 
 def test_the_mutant_decodes_the_same_tokens_and_reads_disk_only_when_timed(model):
     with tier_not_read(model.config, [1, 2, 3], "disk") as cache:
-        runs = offload.decode_lockstep(model, offload.random_prompt(256, 1, 300), 5, [None, cache])
+        runs = decode_lockstep(model, random_prompt(256, 1, 300), 5, [None, cache])
         assert runs[0].tokens == runs[1].tokens
         layer = cache.layers[1]
         # it reports the tier's bytes as read, and never read them

@@ -8,6 +8,12 @@ figure is kept as `datasheet_memory_bytes`.
 Bandwidth and compute are the vendor's datasheet numbers in SI units (1 TB/s = 1e12 bytes/s). Compute is the
 dense figure (datasheets often headline the 2:4-sparse one, which is twice as large) in `flops_dtype`: bf16,
 or fp16 on parts without bf16 tensor cores. The host link is the PCIe bandwidth per direction.
+`spec_for` finds a GPU's entry by the name its driver reports.
+
+This module alone measures copies and links on the machine at hand: a copy within device (or host) memory
+(`CopyProbe`), a copy over the host link (`HostLinkProbe`, either direction, pinned or pageable), a matmul
+(`MatmulProbe`), each timed by `kvlab.measure.time_call`; `measure` gathers them into the ceilings the roofline
+runs on. Importing it does not import torch (the CLI reads the spec table alone): the probes import it when built.
 Chapters: *Why decode is bandwidth-bound* (book/04_bandwidth_bound), *Active tokens, not batch size* (book/05_active_tokens).
 """
 
@@ -15,21 +21,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
-
-from kvlab.env import compute_dtype, device_name, pick_device
-from kvlab.measure import time_call
+if TYPE_CHECKING:
+    import torch
 
 GB = 10**9
 TB = 10**12
 TFLOPS = 10**12
 MiB = 2**20
 
-# PCIe x16 per direction: Gen3 ~15.75 GB/s, Gen4 ~31.5 GB/s, Gen5 ~63 GB/s (PCI-SIG specifications);
-# datasheets round these to 16/32/64 GB/s and quote those, which is what we store.
-_PCIE3, _PCIE4, _PCIE5 = 16 * GB, 32 * GB, 64 * GB
+# PCIe x16 per direction, by generation: Gen3 ~15.75 GB/s, Gen4 ~31.5 GB/s, Gen5 ~63 GB/s (PCI-SIG
+# specifications); datasheets round these to 16/32/64 GB/s and quote those, which is what we store.
+PCIE_X16_BYTES_PER_S: dict[int, float] = {3: 16 * GB, 4: 32 * GB, 5: 64 * GB}
+# A small transfer, as a cache layer makes one per tensor per step: what one request costs before bytes flow.
+LATENCY_BYTES = 4096
 
 # Where the driver-reported totals come from: `nvidia-smi`'s Memory-Usage column on an idle card. Each value was
 # checked against several public nvidia-smi logs (2026-11-30); the H100 one, for example, is printed in
@@ -54,23 +60,30 @@ class Ceilings(Protocol):
 class UnknownAcceleratorError(KeyError):
     """An accelerator name the spec table does not hold."""
 
-    def __str__(self) -> str:  # KeyError would print the message in quotes
+    # KeyError would print the message in quotes
+    def __str__(self) -> str:
         return str(self.args[0])
 
 
 @dataclass(frozen=True)
 class Accelerator:
     name: str
-    memory_bytes: int  # what the driver reports (nvidia-smi total)
-    datasheet_memory_bytes: int  # the datasheet's decimal figure, e.g. 80 GB = 80e9
-    bandwidth_bytes_per_s: float  # HBM/GDDR bandwidth
-    flops: float  # dense tensor-core peak in `flops_dtype`, FLOP/s
-    host_link_bytes_per_s: float  # host interface (PCIe) per direction
+    # what the driver reports (nvidia-smi total)
+    memory_bytes: int
+    # the datasheet's decimal figure, e.g. 80 GB = 80e9
+    datasheet_memory_bytes: int
+    # HBM/GDDR bandwidth
+    bandwidth_bytes_per_s: float
+    # dense tensor-core peak in `flops_dtype`, FLOP/s
+    flops: float
+    # host interface (PCIe) per direction
+    host_link_bytes_per_s: float
     # GPU-to-GPU (NVLink) total of both directions, as datasheets quote it (H100 SXM: 18 NVLink 4 links,
     # 900 GB/s total, i.e. 450 GB/s each way: NVIDIA H100 Tensor Core GPU Architecture whitepaper, "NVLink");
     # None where the part has none. `gpu_link_bytes_per_s` gives one direction.
     interconnect_bytes_per_s: float | None
-    source: str  # datasheet
+    # datasheet
+    source: str
     memory_source: str = _SMI
     flops_dtype: str = "bf16"
     note: str = ""
@@ -91,7 +104,7 @@ _SPECS = [
         16 * GB,
         320 * GB,
         65 * TFLOPS,
-        _PCIE3,
+        PCIE_X16_BYTES_PER_S[3],
         None,
         "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/t4-tensor-core-datasheet-951643.pdf",
         flops_dtype="fp16",
@@ -103,7 +116,7 @@ _SPECS = [
         24 * GB,
         300 * GB,
         121 * TFLOPS,
-        _PCIE4,
+        PCIE_X16_BYTES_PER_S[4],
         None,
         "https://www.nvidia.com/en-us/data-center/l4/ (L4 datasheet: 242 TFLOPS bf16 with sparsity)",
         fp8_flops=242.5 * TFLOPS,
@@ -114,7 +127,7 @@ _SPECS = [
         40 * GB,
         1555 * GB,
         312 * TFLOPS,
-        _PCIE4,
+        PCIE_X16_BYTES_PER_S[4],
         600 * GB,
         "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf",
         note="SXM4 form factor.",
@@ -125,7 +138,7 @@ _SPECS = [
         80 * GB,
         2039 * GB,
         312 * TFLOPS,
-        _PCIE4,
+        PCIE_X16_BYTES_PER_S[4],
         600 * GB,
         "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf",
         note="SXM4 form factor.",
@@ -136,7 +149,7 @@ _SPECS = [
         80 * GB,
         3.35 * TB,
         989.4 * TFLOPS,
-        _PCIE5,
+        PCIE_X16_BYTES_PER_S[5],
         900 * GB,
         "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet (H100 SXM column)",
         fp8_flops=1978.9 * TFLOPS,
@@ -147,7 +160,7 @@ _SPECS = [
         80 * GB,
         2.0 * TB,
         756 * TFLOPS,
-        _PCIE5,
+        PCIE_X16_BYTES_PER_S[5],
         None,
         "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet (H100 PCIe column)",
         note="An NVLink bridge (600 GB/s) links pairs of cards; the table keeps the card alone.",
@@ -159,7 +172,7 @@ _SPECS = [
         141 * GB,
         4.8 * TB,
         989.4 * TFLOPS,
-        _PCIE5,
+        PCIE_X16_BYTES_PER_S[5],
         900 * GB,
         "https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM datasheet column)",
         fp8_flops=1978.9 * TFLOPS,
@@ -170,7 +183,7 @@ _SPECS = [
         180 * GB,
         7.7 * TB,
         2250 * TFLOPS,
-        _PCIE5,
+        PCIE_X16_BYTES_PER_S[5],
         1800 * GB,
         "https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200 per-GPU figures: 4.5 PFLOPS bf16 sparse)",
         fp8_flops=4500 * TFLOPS,
@@ -210,6 +223,17 @@ def get(name: str) -> Accelerator:
     raise UnknownAcceleratorError(f"unknown accelerator {name!r}; known: {', '.join(SPECS)}")
 
 
+def spec_for(device_name: str) -> Accelerator | None:
+    """The spec-table entry for a GPU by the name its driver reports, if any: its family in the name
+    ('NVIDIA H200' -> H200), and among several of a family the variant named too ('H100 PCIe' -> H100-PCIe,
+    'A100-SXM4-80GB' -> A100-80GB), else the first listed (H100 -> H100-SXM)."""
+    name = device_name.upper().replace(" ", "-")
+    family = [spec for key, spec in SPECS.items() if key.upper().split("-")[0] in name.split("-")]
+    variant = [spec for spec in family if "-" in spec.name and spec.name.upper().split("-", 1)[1] in name]
+    matches = variant or family
+    return matches[0] if matches else None
+
+
 @dataclass(frozen=True)
 class Measurement:
     """Ceilings measured on this machine, usable wherever the roofline takes a spec-sheet `Accelerator`.
@@ -219,12 +243,17 @@ class Measurement:
 
     name: str
     memory_bytes: int
-    bandwidth_bytes_per_s: float  # large device-to-device copy, bytes read + written
-    flops: float  # square matmul, FLOP/s
+    # large device-to-device copy, bytes read + written
+    bandwidth_bytes_per_s: float
+    # square matmul, FLOP/s
+    flops: float
     flops_dtype: str
-    host_link_bytes_per_s: float | None  # pinned host-to-device copy; None on CPU (there is no link)
-    copy_bytes: int  # size of the copied buffer
-    matmul_size: int  # n of the n × n × n matmul
+    # pinned host-to-device copy; None on CPU (there is no link)
+    host_link_bytes_per_s: float | None
+    # size of the copied buffer
+    copy_bytes: int
+    # n of the n × n × n matmul
+    matmul_size: int
     interconnect_bytes_per_s: float | None = None
     source: str = "measured by kvlab.hardware.measure"
     note: str = ""
@@ -240,9 +269,59 @@ def _host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-class CopyProbe:
-    """A large device-to-device copy kept ready to time again and again: the bandwidth ceiling, re-measured.
-    `clock` reads the time on a CPU (default: the wall clock; see `kvlab.measure.step_clock`).
+def _check_copy_bytes(size_bytes: Any) -> int:
+    if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes < 2**20:
+        raise ValueError(f"size_bytes must be an integer >= 1 MiB, got {size_bytes!r}")
+    return size_bytes
+
+
+class _Probe:
+    """Work kept ready to time again and again (`time`), every timing kept in `seconds`. `clock` reads the time
+    on a CPU (default: the wall clock; see `kvlab.measure.step_clock`); a GPU is timed with CUDA events."""
+
+    def __init__(self, device: str | torch.device | None, clock: Callable[[], float] | None) -> None:
+        from kvlab.env import pick_device
+
+        self.device = pick_device(device)
+        self.clock = clock
+        self.seconds: list[float] = []
+
+    def run(self) -> object:
+        raise NotImplementedError
+
+    def time(self, repeat: int = 1, warmup: int = 0) -> float:
+        """Time `repeat` runs (after `warmup` untimed ones), keep them, and return the fastest."""
+        from kvlab.measure import time_call
+
+        times = time_call(self.run, self.device, repeat=repeat, warmup=warmup, clock=self.clock)
+        self.seconds.extend(times)
+        return min(times)
+
+    def fastest_s(self) -> float:
+        """The fastest run timed so far."""
+        if not self.seconds:
+            raise ValueError("the probe has not been timed yet")
+        return min(self.seconds)
+
+
+class _CopyProbe(_Probe):
+    """`dst.copy_(src)` kept ready to time, asynchronous where `non_blocking` (from pinned host memory)."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    non_blocking = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.src.nbytes
+
+    def run(self) -> object:
+        return self.dst.copy_(self.src, non_blocking=self.non_blocking)
+
+
+class CopyProbe(_CopyProbe):
+    """A large copy within one device's memory kept ready to time again and again: the bandwidth ceiling,
+    re-measured.
 
     A measurement taken once, before a timed sweep, can fall in a burst of other work on a shared machine while
     the sweep does not (or the other way round); timing the probe between the sweep's rounds puts the ceiling
@@ -255,35 +334,59 @@ class CopyProbe:
         size_bytes: int = 256 * 2**20,
         clock: Callable[[], float] | None = None,
     ) -> None:
-        if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes < 2**20:
-            raise ValueError(f"size_bytes must be an integer >= 1 MiB, got {size_bytes!r}")
-        self.device = pick_device(device)
+        import torch
+
+        _check_copy_bytes(size_bytes)
+        super().__init__(device, clock)
         # ones, not empty: every page is touched before the first timed copy
         self.src = torch.ones(size_bytes // 4, dtype=torch.float32, device=self.device)
         self.dst = torch.empty_like(self.src)
-        self.clock = clock
-        self.seconds: list[float] = []
-
-    @property
-    def nbytes(self) -> int:
-        return self.src.nbytes
-
-    def time(self, repeat: int = 1, warmup: int = 0) -> float:
-        """Time `repeat` copies (after `warmup` untimed ones), keep them, and return the fastest."""
-        copy = lambda: self.dst.copy_(self.src)  # noqa: E731
-        times = time_call(copy, self.device, repeat=repeat, warmup=warmup, clock=self.clock)
-        self.seconds.extend(times)
-        return min(times)
 
     @property
     def bandwidth_bytes_per_s(self) -> float:
         """Bytes read + written over the fastest copy timed so far (STREAM's count: 2 × the buffer)."""
-        if not self.seconds:
-            raise ValueError("the probe has not been timed yet")
-        return 2 * self.nbytes / min(self.seconds)
+        return 2 * self.nbytes / self.fastest_s()
 
 
-class MatmulProbe:
+class HostLinkProbe(_CopyProbe):
+    """A copy over the host link kept ready to time again and again: host to device (`to_device`) or back, from
+    pinned host memory (an asynchronous copy the device's DMA engine makes) or pageable (staged by the driver)."""
+
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        size_bytes: int = 64 * 2**20,
+        pinned: bool = True,
+        to_device: bool = True,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        import torch
+
+        _check_copy_bytes(size_bytes)
+        super().__init__(device, clock)
+        if self.device.type != "cuda":
+            raise ValueError(f"HostLinkProbe needs a CUDA device, got {self.device}")
+        self.pinned, self.to_device, self.non_blocking = pinned, to_device, pinned
+        # ones, not empty: every page is touched before the first timed copy
+        host = torch.ones(size_bytes // 4, dtype=torch.float32, pin_memory=pinned)
+        gpu = torch.ones_like(host, device=self.device)
+        self.src, self.dst = (host, gpu) if to_device else (gpu, host)
+
+    def latency(self, count: int = 16) -> list[float]:
+        """Seconds of each of `count` single synchronous copies of `LATENCY_BYTES` in this probe's direction
+        (after one untimed): what a cache layer that copies one tensor at a time pays per copy."""
+        from kvlab.measure import time_call
+
+        small_src, small_dst = self.src[: LATENCY_BYTES // 4], self.dst[: LATENCY_BYTES // 4]
+        return time_call(lambda: small_dst.copy_(small_src), self.device, repeat=count, clock=self.clock)
+
+    @property
+    def bandwidth_bytes_per_s(self) -> float:
+        """Payload bytes over the fastest copy timed so far (one direction)."""
+        return self.nbytes / self.fastest_s()
+
+
+class MatmulProbe(_Probe):
     """An n × n by n × n matmul kept ready to time again and again: the compute ceiling, re-measured (see
     `CopyProbe`)."""
 
@@ -294,46 +397,22 @@ class MatmulProbe:
         dtype: torch.dtype,
         clock: Callable[[], float] | None = None,
     ) -> None:
+        import torch
+
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"matmul_size must be a positive integer, got {n!r}")
-        self.device, self.n = pick_device(device), n
+        super().__init__(device, clock)
+        self.n = n
         self.a = torch.randn(n, n, device=self.device).to(dtype)
         self.b = torch.randn(n, n, device=self.device).to(dtype)
-        self.clock = clock
-        self.seconds: list[float] = []
 
-    def time(self, repeat: int = 1, warmup: int = 0) -> float:
-        times = time_call(
-            lambda: self.a @ self.b, self.device, repeat=repeat, warmup=warmup, clock=self.clock
-        )
-        self.seconds.extend(times)
-        return min(times)
+    def run(self) -> object:
+        return self.a @ self.b
 
     @property
     def flops(self) -> float:
         """2n³ FLOP over the fastest matmul timed so far."""
-        if not self.seconds:
-            raise ValueError("the probe has not been timed yet")
-        return 2 * self.n**3 / min(self.seconds)
-
-
-def _copy_seconds(device: torch.device, size_bytes: int, repeat: int) -> tuple[float, int]:
-    """Best time of `dst.copy_(src)` for fp32 buffers of `size_bytes`, and the bytes copied."""
-    probe = CopyProbe(device, size_bytes)
-    return probe.time(repeat=repeat, warmup=1), probe.nbytes
-
-
-def _host_link(device: torch.device, size_bytes: int, repeat: int) -> float:
-    """Pinned host-to-device copy bandwidth, bytes/s (one direction)."""
-    host = torch.ones(size_bytes // 4, dtype=torch.float32, pin_memory=True)
-    dst = torch.empty_like(host, device=device)
-    return host.nbytes / min(
-        time_call(lambda: dst.copy_(host, non_blocking=True), device, repeat=repeat, warmup=1)
-    )
-
-
-def _matmul_seconds(device: torch.device, n: int, dtype: torch.dtype, repeat: int) -> float:
-    return MatmulProbe(device, n, dtype).time(repeat=repeat, warmup=1)
+        return 2 * self.n**3 / self.fastest_s()
 
 
 def measure(
@@ -357,34 +436,39 @@ def measure(
     bandwidth the fastest of every copy the probe has timed so far; with `matmul_probe` likewise the matmul (its
     size and dtype replace `matmul_size` and `dtype`).
     """
+    import torch
+
+    from kvlab import env
+
     if probe is not None:
         size_bytes = probe.nbytes
-    if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes < 2**20:
-        raise ValueError(f"size_bytes must be an integer >= 1 MiB, got {size_bytes!r}")
+    _check_copy_bytes(size_bytes)
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {repeat}")
-    device = pick_device(device)
+    device = env.pick_device(device)
     gpu = device.type == "cuda"
-    dtype = dtype or compute_dtype(device)
+    dtype = dtype or env.compute_dtype(device)
     n = (8192 if gpu else 1024) if matmul_size is None else matmul_size
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"matmul_size must be a positive integer, got {n!r}")
 
     if probe is None:
-        copy_s, copied = _copy_seconds(device, size_bytes, repeat)
-    else:
-        probe.time(repeat=repeat, warmup=1)
-        copy_s, copied = min(probe.seconds), probe.nbytes
-    host_link = _host_link(device, size_bytes, repeat) if gpu else None
+        probe = CopyProbe(device, size_bytes)
+    probe.time(repeat=repeat, warmup=1)
+    host_link = None
+    if gpu:
+        link = HostLinkProbe(device, size_bytes)
+        link.time(repeat=repeat, warmup=1)
+        host_link = link.bandwidth_bytes_per_s
     if matmul_probe is None:
-        matmul_s = _matmul_seconds(device, n, dtype, repeat)
-    else:
-        matmul_probe.time(repeat=repeat, warmup=1)
-        n, dtype, matmul_s = matmul_probe.n, matmul_probe.a.dtype, min(matmul_probe.seconds)
+        matmul_probe = MatmulProbe(device, n, dtype)
+    matmul_probe.time(repeat=repeat, warmup=1)
+    copy_s, copied = probe.fastest_s(), probe.nbytes
+    n, dtype, matmul_s = matmul_probe.n, matmul_probe.a.dtype, matmul_probe.fastest_s()
     flops_dtype = str(dtype).removeprefix("torch.")
     memory = torch.cuda.get_device_properties(device).total_memory if gpu else _host_memory_bytes()
     return Measurement(
-        name=f"measured {device_name(device)}",
+        name=f"measured {env.device_name(device)}",
         memory_bytes=int(memory),
         bandwidth_bytes_per_s=2 * copied / copy_s,
         flops=2 * n**3 / matmul_s,
