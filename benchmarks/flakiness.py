@@ -42,6 +42,10 @@ class Run:
     attempts: list[claims.AttemptLine] = field(default_factory=list)
     # The 1-minute load average when the run ended: the load it actually shared the machine with.
     load_after: float = 0.0
+    # Shares of the machine's CPU time during the run spent by niced processes (`nice` in /proc/stat) and by
+    # everything else: the load average counts niced work as load, though it only takes what the lab leaves idle.
+    niced_share: float = 0.0
+    busy_share: float = 0.0
 
 
 def _spin() -> None:
@@ -75,9 +79,28 @@ def _failure(err: CellExecutionError) -> str:
     return (named[-1] if named else (lines[-1] if lines else "error"))[:200]
 
 
+def cpu_times() -> list[int]:
+    """The aggregate `cpu` line of /proc/stat: user, nice, system, idle, iowait, irq, softirq, steal (ticks)."""
+    try:
+        with open("/proc/stat") as stat:
+            return [int(v) for v in stat.readline().split()[1:9]]
+    except OSError:
+        return [0] * 8
+
+
+def cpu_shares(before: list[int], after: list[int]) -> tuple[float, float]:
+    """(niced, busy not niced) shares of the CPU time between two `cpu_times` readings."""
+    delta = [b - a for a, b in zip(before, after, strict=True)]
+    total = sum(delta) or 1
+    niced = delta[1] / total
+    idle = (delta[3] + delta[4]) / total
+    return niced, 1 - idle - niced
+
+
 def run_lab(lab: Path, number: int, timeout: int) -> Run:
     nb = nbformat.read(lab, as_version=4)
     load = os.getloadavg()[0]
+    ticks = cpu_times()
     start = time.perf_counter()
     client = NotebookClient(
         nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(lab.parent)}}
@@ -93,12 +116,15 @@ def run_lab(lab: Path, number: int, timeout: int) -> Run:
     seconds = time.perf_counter() - start
     name = str(lab.parent.relative_to(ROOT))
     attempts = claims.parse_attempts(_stream_text(nb))
-    return Run(name, number, seconds, load, failed, attempts, os.getloadavg()[0])
+    niced, busy = cpu_shares(ticks, cpu_times())
+    return Run(name, number, seconds, load, failed, attempts, os.getloadavg()[0], niced, busy)
 
 
 def report(runs: list[Run], load: int) -> str:
     lines = [f"flakiness, {'quiet' if not load else f'beside {load} CPU-bound process(es)'}:"]
-    lines.append(f"{'lab':32} {'runs':>4} {'failed':>6} {'median s':>8} {'load avg':>8}  failed at")
+    lines.append(
+        f"{'lab':32} {'runs':>4} {'failed':>6} {'median s':>8} {'load avg':>8} {'niced %':>7}  failed at"
+    )
     by_lab: dict[str, list[Run]] = defaultdict(list)
     for run in runs:
         by_lab[run.lab].append(run)
@@ -106,9 +132,10 @@ def report(runs: list[Run], load: int) -> str:
         failures = Counter(r.failed_at for r in done if r.failed_at)
         seconds = sorted(r.seconds for r in done)[len(done) // 2]
         loads = sum((r.load_average + r.load_after) / 2 for r in done) / len(done)
+        niced = 100 * sum(r.niced_share for r in done) / len(done)
         where = "; ".join(f"{n}x {what}" for what, n in failures.most_common()) or "-"
         lines.append(
-            f"{lab:32} {len(done):>4} {sum(failures.values()):>6} {seconds:>8.0f} {loads:>8.2f}  {where}"
+            f"{lab:32} {len(done):>4} {sum(failures.values()):>6} {seconds:>8.0f} {loads:>8.2f} {niced:>7.0f}  {where}"
         )
     lines.append("")
     lines.append(f"{'claim':60} {'attempts':>8} {'missed':>6} {'p':>6} {'k':>2} {'p**k':>8}")
@@ -128,12 +155,24 @@ def report(runs: list[Run], load: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("labs", nargs="+", help="chapter folders (book/08_continuous_batching) or lab paths")
+    parser.add_argument("labs", nargs="*", help="chapter folders (book/08_continuous_batching) or lab paths")
+    parser.add_argument(
+        "--report",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="print the table of earlier sweeps' JSON files, run nothing",
+    )
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--load", type=int, default=0, help="CPU-bound processes to run beside the labs")
     parser.add_argument("--timeout", type=int, default=900, help="seconds a cell may take")
     parser.add_argument("--json", type=Path, help="also write every run here")
     args = parser.parse_args(argv)
+    if args.report:
+        print(report_files(args.report))
+        return 0
+    if not args.labs:
+        parser.error("name the labs to run, or --report JSON files")
     if args.runs < 1 or args.load < 0:
         parser.error("--runs must be at least 1 and --load at least 0")
     labs = [_lab_path(name) for name in args.labs]
@@ -158,6 +197,22 @@ def main(argv: list[str] | None = None) -> int:
             p.terminate()
     print(report(runs, args.load))
     return 0
+
+
+def load_runs(path: Path) -> tuple[int, list[Run]]:
+    """The competing load and the runs of one sweep's JSON file."""
+    data = json.loads(path.read_text())
+    runs = [Run(**{**r, "attempts": [claims.AttemptLine(**a) for a in r["attempts"]]}) for r in data["runs"]]
+    return data["load"], runs
+
+
+def report_files(paths: list[Path]) -> str:
+    """One table per competing load, over the runs of every file given (sweeps of one condition add up)."""
+    by_load: dict[int, list[Run]] = defaultdict(list)
+    for path in paths:
+        load, runs = load_runs(path)
+        by_load[load] += runs
+    return "\n\n".join(report(runs, load) for load, runs in sorted(by_load.items()))
 
 
 def _write(path: Path | None, runs: list[Run], load: int) -> None:

@@ -26,3 +26,13 @@ def test_report_counts_failures_and_attempt_misses():
     assert "1x AssertionError: ITL: missed all 3 attempts" in text
     row = next(line for line in text.splitlines() if line.startswith("08_x: ITL"))
     assert row.split()[-5:] == ["5", "4", "0.80", "3", "5.1e-01"]
+
+
+def test_report_files_adds_up_sweeps_of_one_load(tmp_path):
+    hold = claims.AttemptLine("ITL", 1, 3, True)
+    for name, number in (("a", 1), ("b", 2)):
+        run = flakiness.Run("book/08_x", number, 10.0, 1.0, "", [hold], 1.2)
+        flakiness._write(tmp_path / f"{name}.json", [run], 0)
+    text = flakiness.report_files([tmp_path / "a.json", tmp_path / "b.json"])
+    assert text.startswith("flakiness, quiet:")
+    assert "book/08_x                           2      0" in text
