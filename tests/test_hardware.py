@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -113,6 +116,12 @@ def test_measure_other_dtype():
 def test_measure_rejects_bad_sizes(kwargs):
     with pytest.raises(ValueError):
         hardware.measure("cpu", **kwargs)
+
+
+def test_the_spec_table_imports_without_torch():
+    # the CLI reads the spec table alone; the probes import torch when built
+    code = "import sys, kvlab.hardware; assert 'torch' not in sys.modules, sorted(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_compute_dtype():

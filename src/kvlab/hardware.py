@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from kvlab.checks import check_count
 
 if TYPE_CHECKING:
     import torch
@@ -269,12 +271,6 @@ def _host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _check_copy_bytes(size_bytes: Any) -> int:
-    if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes < 2**20:
-        raise ValueError(f"size_bytes must be an integer >= 1 MiB, got {size_bytes!r}")
-    return size_bytes
-
-
 class _Probe:
     """Work kept ready to time again and again (`time`), every timing kept in `seconds`. `clock` reads the time
     on a CPU (default: the wall clock; see `kvlab.measure.step_clock`); a GPU is timed with CUDA events."""
@@ -336,7 +332,7 @@ class CopyProbe(_CopyProbe):
     ) -> None:
         import torch
 
-        _check_copy_bytes(size_bytes)
+        check_count("size_bytes", size_bytes, MiB)
         super().__init__(device, clock)
         # ones, not empty: every page is touched before the first timed copy
         self.src = torch.ones(size_bytes // 4, dtype=torch.float32, device=self.device)
@@ -362,7 +358,7 @@ class HostLinkProbe(_CopyProbe):
     ) -> None:
         import torch
 
-        _check_copy_bytes(size_bytes)
+        check_count("size_bytes", size_bytes, MiB)
         super().__init__(device, clock)
         if self.device.type != "cuda":
             raise ValueError(f"HostLinkProbe needs a CUDA device, got {self.device}")
@@ -399,8 +395,7 @@ class MatmulProbe(_Probe):
     ) -> None:
         import torch
 
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"matmul_size must be a positive integer, got {n!r}")
+        check_count("matmul_size", n)
         super().__init__(device, clock)
         self.n = n
         self.a = torch.randn(n, n, device=self.device).to(dtype)
@@ -442,15 +437,13 @@ def measure(
 
     if probe is not None:
         size_bytes = probe.nbytes
-    _check_copy_bytes(size_bytes)
+    check_count("size_bytes", size_bytes, MiB)
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {repeat}")
     device = env.pick_device(device)
     gpu = device.type == "cuda"
     dtype = dtype or env.compute_dtype(device)
-    n = (8192 if gpu else 1024) if matmul_size is None else matmul_size
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"matmul_size must be a positive integer, got {n!r}")
+    n = check_count("matmul_size", (8192 if gpu else 1024) if matmul_size is None else matmul_size)
 
     if probe is None:
         probe = CopyProbe(device, size_bytes)
