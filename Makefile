@@ -34,7 +34,7 @@ book: install
 book-checked: install
 	rm -rf _build/html _build/.doctrees
 	mkdir -p _build
-	$(PY) tests/book_config.py stored > _build/_config.stored.yml
+	$(PY) tools/book_config.py stored > _build/_config.stored.yml
 	$(BIN)/jupyter-book build . --all -W -n --keep-going --config _build/_config.stored.yml
 
 ## make test: lint, pytest, nbval on every notebook (in the Colab-like clean venv, twice: this CPU's kernels and the
@@ -47,7 +47,7 @@ test: lint test-untimed test-timed smoke book-checked browser
 test-untimed: install
 	@mkdir -p _build; \
 	$(BIN)/pytest tests -p no:cacheprovider -m "not slow" --durations=15 > _build/pytest-fast.log 2>&1 & pid=$$!; \
-	python3 tests/colab_venv.py --nbval --capped-isa --kind untimed; labs=$$?; \
+	python3 tools/colab_venv.py --nbval --capped-isa --kind untimed; labs=$$?; \
 	wait $$pid; tests=$$?; cat _build/pytest-fast.log; \
 	echo "pytest (not slow): exit $$tests; nbval of the untimed labs, baseline kernels: exit $$labs"; \
 	test $$tests -eq 0 -a $$labs -eq 0
@@ -56,12 +56,12 @@ test-untimed: install
 ## timing), nbval of every lab on this CPU's kernels, then of the timed labs on baseline kernels.
 test-timed: install
 	$(BIN)/pytest tests -p no:cacheprovider -m slow --durations=15
-	python3 tests/colab_venv.py --nbval
-	python3 tests/colab_venv.py --nbval --capped-isa --kind timed
+	python3 tools/colab_venv.py --nbval
+	python3 tools/colab_venv.py --nbval --capped-isa --kind timed
 
 lint: install
-	$(BIN)/ruff check src tests benchmarks _ext
-	$(BIN)/ruff format --check src tests benchmarks _ext
+	$(BIN)/ruff check src tests tools benchmarks _ext
+	$(BIN)/ruff format --check src tests tools benchmarks _ext
 	$(BIN)/mypy
 
 pytest: install
@@ -80,12 +80,12 @@ nbval: install
 	CUDA_VISIBLE_DEVICES= $(BIN)/pytest --nbval $(NOTEBOOKS) --sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
 
 smoke: install
-	$(PY) tests/smoke_sweep.py
+	$(PY) tools/smoke_sweep.py
 
 ## make browser (after make book): every page of _build/html in headless Chromium, offline; screenshots in
 ## _build/screenshots/book, readability notes in _build/screenshots/readability.txt.
 browser: install
-	$(BIN)/pytest tests/browser_book.py -p no:cacheprovider
+	$(BIN)/pytest tools/browser_book.py -p no:cacheprovider
 
 ## make lab: JupyterLab at the repository root with the venv's kernel (labs trusted); prints the URL to open.
 ## LAB_PORT=8888 LAB_IP=127.0.0.1 by default; as root it adds --allow-root. Remote box: see docs/running.md.
@@ -107,7 +107,7 @@ outputs: install
 ## make fork REPO=https://github.com/you/kvlab: point launch buttons and Colab installs at a fork.
 fork:
 	@test -n "$(REPO)" || { echo "usage: make fork REPO=https://github.com/you/kvlab"; exit 2; }
-	$(PY) tests/repo_url.py set "$(REPO)"
+	$(PY) tools/repo_url.py set "$(REPO)"
 
 clean:
 	rm -rf _build
@@ -116,15 +116,15 @@ clean:
 ## own extra installs and a kernel, nothing else; every lab executed there with nbclient (GPU hidden).
 ## COLAB_ARGS=--nbval runs nbval there instead (the same execution, stored outputs compared).
 colab:
-	python3 tests/colab_venv.py --jobs 2 $(COLAB_ARGS)
+	python3 tools/colab_venv.py --jobs 2 $(COLAB_ARGS)
 
 ## make colab-nbval: nbval in that clean venv, twice: on this CPU's own kernels, then on the baseline kernels any
 ## x86-64 CPU has (torch's ATEN_CPU_CAPABILITY=default, MKL and oneDNN capped to AVX2). Outputs that differ between
 ## the two runs differ between machines, so both must match the stored outputs. `make test` runs it in place of
 ## `make nbval`, in what a Colab reader's install gives (GPU hidden).
 colab-nbval:
-	python3 tests/colab_venv.py --nbval
-	python3 tests/colab_venv.py --nbval --capped-isa
+	python3 tools/colab_venv.py --nbval
+	python3 tools/colab_venv.py --nbval --capped-isa
 
 ## make gpu: every lab at the GPU sizes of book/gpu_params.yaml (papermill); executed notebooks and JSON of
 ## glued scalars with provenance under book/results/<gpu>/. No install step: run `make install` first, or

@@ -2,13 +2,10 @@
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-import repo_url  # noqa: E402
+import repo_url
 
 ROOT = Path(__file__).resolve().parents[1]
 LABS = repo_url.notebooks()
@@ -147,7 +144,7 @@ CHAPTER_REFERENCE = re.compile(r"\b(chapters?\s+\d+(?:[-–]\d+)?|(?:next|previo
 def unlinked_chapter_references(markdown: str) -> list[str]:
     """ "chapter N", "chapters N and M", "next chapter" in prose outside a link, code or the page title.
 
-    The same pattern as the browser check's readability note (tests/browser_book.py), on the Markdown source.
+    The same pattern as the browser check's readability note (tools/browser_book.py), on the Markdown source.
     """
     kept, fence = [], None
     for line in markdown.splitlines():

@@ -1,4 +1,4 @@
-"""tests/install_cell.py rewrites the labs' Colab install cells to pin kvlab's version; run on copies of the labs."""
+"""tools/install_cell.py rewrites the labs' Colab install cells to pin kvlab's version; run on copies of the labs."""
 
 import ast
 import json
@@ -8,12 +8,10 @@ import sys
 import types
 from pathlib import Path
 
+import install_cell
 import pytest
 
 import kvlab
-
-sys.path.insert(0, str(Path(__file__).parent))
-import install_cell  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,8 +1,8 @@
 """The labs' Colab install cell: it installs the kvlab the notebook was executed with, not the default branch.
 
-python tests/install_cell.py check          # exit 1 if a lab's install cell is not the pinned one for kvlab.__version__
-python tests/install_cell.py set            # rewrite every lab's install cell (keeps REPO and any extra lines)
-python tests/install_cell.py set DIR        # the same on the labs under DIR (tests run it on copies)
+python tools/install_cell.py check          # exit 1 if a lab's install cell is not the pinned one for kvlab.__version__
+python tools/install_cell.py set            # rewrite every lab's install cell (keeps REPO and any extra lines)
+python tools/install_cell.py set DIR        # the same on the labs under DIR (tests run it on copies)
 
 The pinned ref is the tag `v<kvlab.__version__>`: a commit cannot name itself, and the version is what
 `kvlab.env_report()` prints in every lab's provenance line. Releasing a version means pushing that tag

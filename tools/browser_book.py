@@ -7,7 +7,7 @@ _build/screenshots/readability.txt: figures whose tick text renders under 9 pt (
 sizes and the image's scale), numeric font sizes fixed in labs, "chapter N" references that are not links, and
 display equations wider than the column.
 
-Run explicitly (`pytest tests/browser_book.py`): it needs the book built first.
+Run explicitly (`pytest tools/browser_book.py`): it needs the book built first.
 """
 
 import json

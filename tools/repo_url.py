@@ -1,7 +1,7 @@
 """The repository URL lives in _config.yml; the labs' Colab install line must agree with it.
 
-python tests/repo_url.py check        # exit 1 if a notebook disagrees
-python tests/repo_url.py set URL      # point _config.yml and every lab at a fork (make fork REPO=URL)
+python tools/repo_url.py check        # exit 1 if a notebook disagrees
+python tools/repo_url.py set URL      # point _config.yml and every lab at a fork (make fork REPO=URL)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The Colab proof: every lab runs in a clean venv holding only what the labs' install cells give a reader.
 
-python tests/colab_venv.py [--venv .venv-colab] [--jobs 2] [--out _build/colab] [LAB ...]
+python tools/colab_venv.py [--venv .venv-colab] [--jobs 2] [--out _build/colab] [LAB ...]
 
 1. A fresh venv (rebuilt when pyproject.toml or requirements.txt change): torch 2.13.0 first (the CPU wheel the
    repository pins, never a CUDA one; Colab brings its own torch), then `pip install .` (not editable), then
