@@ -142,6 +142,10 @@ def test_disk_offload_gives_the_same_tokens_and_logits(model, layers, tmp_path):
         assert all(layer.direct for layer in disk_layers)  # O_DIRECT on this filesystem
         assert all(layer.disk_tokens % layer.block_tokens == 0 for layer in disk_layers)
         assert all(layer.block_bytes % ALIGN == 0 for layer in disk_layers)
+        assert all(
+            layer.disk_bytes == layer.disk_tokens // layer.block_tokens * layer.block_bytes
+            for layer in disk_layers
+        )
     assert _leftovers(tmp_path) == []  # close() removed the layer files
 
 

@@ -208,6 +208,11 @@ class DiskLayer(TierLayer):
     def block_bytes(self) -> int:
         return self.block_tokens * record_bytes(*self._shape, self._dtype)
 
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of K and V in full blocks on disk."""
+        return self.disk_tokens * record_bytes(*self._shape, self._dtype)
+
     def _write_blocks(self, records: torch.Tensor) -> None:
         data = records.contiguous().view(torch.uint8).numpy().tobytes()
         buf = aligned_buffer(len(data))

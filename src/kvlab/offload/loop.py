@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from kvlab.checks import check_count
 from kvlab.measure import step_clock
-from kvlab.offload.cache import DiskLayer, OffloadedCache, check_layers, device_sync, record_bytes
+from kvlab.offload.cache import DiskLayer, OffloadedCache, check_layers, device_sync
 from kvlab.offload.tiers import TierBandwidth
 
 
@@ -243,11 +243,7 @@ def time_offload(
     runs = decode_lockstep(
         model, input_ids, new_tokens, [memory, cache, *others], after_step=repeat_transfers, clock=clock
     )
-    disk_bytes = sum(
-        layer.disk_tokens * record_bytes(*layer._shape, layer._dtype)
-        for layer in cache.layers
-        if isinstance(layer, DiskLayer)
-    )
+    disk_bytes = sum(layer.disk_bytes for layer in cache.layers if isinstance(layer, DiskLayer))
     return OffloadTiming(input_ids.shape[1], runs[0], runs[1], moved, seconds, appends, disk_bytes, runs[2:])
 
 
