@@ -5,8 +5,10 @@ python tools/install_cell.py set            # rewrite every lab's install cell (
 python tools/install_cell.py set DIR        # the same on the labs under DIR (tests run it on copies)
 
 The pinned ref is the tag `v<kvlab.__version__>`: a commit cannot name itself, and the version is what
-`kvlab.env_report()` prints in every lab's provenance line. Releasing a version means pushing that tag
-(`git tag v0.1.0 && git push origin v0.1.0`); a fork made with `make fork` needs the same tag pushed.
+`kvlab.env_report()` prints in every lab's provenance line. `make release VERSION=x.y.z` (tools/release.py,
+docs/releasing.md) runs `set` and creates that tag; a fork made with `make fork` needs the same tag pushed.
+Where pip cannot reach the repository, the cell's error names the other way in: the release's zip of labs,
+run with a local Python and any package-index mirror (README, "Without GitHub").
 """
 
 from __future__ import annotations
@@ -47,8 +49,10 @@ def cell_text(repo: str) -> str:
         '    pip = [sys.executable, "-m", "pip", "install", "-q", f"kvlab @ git+{REPO}@{REF}"]\n'
         "    if subprocess.run(pip).returncode:\n"
         "        raise RuntimeError(\n"
-        '            f"pip could not install kvlab {REF} from {REPO}. For a fork, run `make fork REPO=<your fork URL>`, "\n'
-        '            f"commit, and push the tag {REF} to it (git push origin {REF}); or set REPO and REF in this cell."\n'
+        '            f"pip could not install kvlab {REF} from {REPO}. Without GitHub: run the labs locally from the "\n'
+        '            "release\'s zip of labs, with any package-index mirror (README: Without GitHub). For a fork, run "\n'
+        '            f"`make fork REPO=<your fork URL>`, commit, and push the tag {REF} to it (git push origin {REF}); "\n'
+        '            "or set REPO and REF in this cell."\n'
         "        )\n"
     )
 
