@@ -60,8 +60,11 @@ def test_engine_equals_generate(family_model, engine_kwargs):
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.token_ids for o in outputs] == reference(family_model, prompts)
     if engine_kwargs.get("num_blocks") == 12:
-        assert engine.num_preemptions > 0
-    assert engine.num_free_blocks == engine.num_blocks and engine.num_used_blocks == 0
+        assert engine.scheduler.num_preemptions > 0
+    assert (
+        engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        and engine.block_manager.num_used_blocks == 0
+    )
 
 
 @pytest.mark.parametrize(
@@ -74,7 +77,7 @@ def test_engine_top_token_ids_equal_generate(llama, engine_kwargs):
     engine = LLMEngine(llama, **engine_kwargs)
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, logprobs=3))
     if engine_kwargs["num_blocks"] == 12:
-        assert engine.num_preemptions > 0
+        assert engine.scheduler.num_preemptions > 0
     hf = [generate_with_top_k(llama, torch.tensor([p]), MAX_TOKENS, 3) for p in prompts]
     hf_tokens, hf_top = [t[0] for t, _ in hf], [top[0] for _, top in hf]
     for out, tokens, top in zip(outputs, hf_tokens, hf_top, strict=True):
@@ -104,14 +107,17 @@ def test_prefix_caching_keeps_outputs_and_hits(llama, num_blocks):
         outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
         runs[caching] = engine
         assert [o.token_ids for o in outputs] == expected
-    stats = runs[True].prefix_cache_stats
+    stats = runs[True].block_manager.prefix_cache_stats
     assert stats.hits >= 4 * 20 // 4 * 4  # every request after the first reuses the system prompt
     assert stats.hit_requests >= 4 and 0 < stats.hit_rate < 1 and stats.request_hit_rate >= 0.8
-    assert runs[False].prefix_cache_stats == PrefixCacheStats()
-    assert runs[True].num_free_blocks == runs[True].num_blocks and runs[True].num_cached_blocks > 0
+    assert runs[False].block_manager.prefix_cache_stats == PrefixCacheStats()
+    assert (
+        runs[True].block_manager.num_free_blocks == runs[True].block_manager.num_blocks
+        and runs[True].block_manager.num_cached_blocks > 0
+    )
     assert stats.requests == len(prompts), "each request is looked up once, re-admissions are not counted"
     if num_blocks == 16:
-        assert runs[True].num_preemptions > 0
+        assert runs[True].scheduler.num_preemptions > 0
 
 
 def test_sliding_window_mistral_equals_generate():
@@ -202,12 +208,15 @@ def test_sampling_with_temperature_is_seeded(llama):
 
 
 def test_num_blocks_from_memory_budget_logs_capacity(llama, caplog):
-    with caplog.at_level(logging.INFO, logger="kvlab.engine"):
+    with (
+        caplog.at_level(logging.INFO, logger="kvlab.engine"),
+        caplog.at_level(logging.INFO, "kvlab.model_runner"),
+    ):
         engine = LLMEngine(llama, block_size=16, memory_budget_bytes=8 * 2**20, max_num_batched_tokens=64)
     weights = sum(p.numel() * p.element_size() for p in llama.parameters())
-    kv = engine.kv_cache_bytes
+    kv = engine.pool.nbytes
     assert 0 < kv < 8 * 2**20 - weights
-    assert "Maximum concurrency" in caplog.text and f"{engine.num_blocks} blocks" in caplog.text
+    assert "Maximum concurrency" in caplog.text and f"{engine.block_manager.num_blocks} blocks" in caplog.text
     with pytest.raises(ValueError, match="no room"):
         LLMEngine(llama, memory_budget_bytes=weights)
 
@@ -230,7 +239,7 @@ def test_measured_fragmentation_equals_prediction_and_occupancy(llama):
         assert measured_fragmentation(engine.step_stats) == expected
         occupancy = mean_batch_occupancy(engine.step_stats)
         assert 0 < occupancy <= 4
-    assert engine.num_preemptions > 0
+    assert engine.scheduler.num_preemptions > 0
     assert mean_batch_occupancy([]) == 0.0
     with pytest.raises(ValueError):
         measured_fragmentation([])
@@ -245,7 +254,7 @@ def test_prefix_hits_equal_prediction_on_a_shared_prefix_trace(llama):
     )  # fmt: skip
     engine = LLMEngine(llama, block_size=4, num_blocks=128, enable_prefix_caching=True, clock="virtual")
     engine.replay(trace)
-    assert engine.prefix_cache_stats.hits == predicted_prefix_hit_tokens(trace, 10, 4) > 0
+    assert engine.block_manager.prefix_cache_stats.hits == predicted_prefix_hit_tokens(trace, 10, 4) > 0
 
 
 def test_engine_config_equals_keywords(llama):
@@ -259,9 +268,9 @@ def test_engine_config_equals_keywords(llama):
     assert by_keywords.config == by_config.config == EngineConfig(**knobs)
     outputs = [engine.generate(prompts, params) for engine in (by_keywords, by_config)]
     assert [o.token_ids for o in outputs[0]] == [o.token_ids for o in outputs[1]]
-    assert by_keywords.step_stats == by_config.step_stats and by_keywords.num_preemptions > 0
+    assert by_keywords.step_stats == by_config.step_stats and by_keywords.scheduler.num_preemptions > 0
     overridden = LLMEngine(llama, EngineConfig(**knobs), num_blocks=20)
-    assert overridden.num_blocks == 20 and overridden.config.block_size == 4
+    assert overridden.block_manager.num_blocks == 20 and overridden.config.block_size == 4
     with pytest.raises(TypeError):
         LLMEngine(llama, num_block=20)  # a misspelt knob is an error, not ignored
     with pytest.raises(ValueError, match="prefix caching"):
@@ -278,22 +287,25 @@ def test_model_runner_owns_pool_and_profiles_blocks(llama):
     engine = LLMEngine(
         llama, block_size=8, memory_budget_bytes=weights + 100 * per_block, max_num_batched_tokens=64
     )
-    assert engine.num_blocks == blocks
+    assert engine.block_manager.num_blocks == blocks
 
 
-def test_public_accessors_report_blocks_and_preemptions(llama):
+def test_the_parts_report_blocks_and_preemptions(llama):
     engine = LLMEngine(llama, block_size=4, num_blocks=12, enable_prefix_caching=True)
-    assert (engine.num_blocks, engine.num_free_blocks, engine.num_used_blocks, engine.num_preemptions) == (
+    bm = engine.block_manager
+    assert (bm.num_blocks, bm.num_free_blocks, bm.num_used_blocks, engine.scheduler.num_preemptions) == (
         12,
         12,
         0,
         0,
     )
-    assert engine.kv_cache_bytes == engine.pool.nbytes == 12 * 4 * engine.kv_bytes_per_token
+    assert engine.pool.nbytes == 12 * 4 * engine.runner.kv_bytes_per_token
     engine.add_request(random_prompts([9])[0], SamplingParams(max_tokens=2))
     engine.step()
-    assert engine.num_used_blocks == 3 and engine.num_cached_blocks == 2
-    assert engine.prefix_cache_stats == PrefixCacheStats(requests=1, queries=9, hits=0, hit_requests=0)
+    assert engine.block_manager.num_used_blocks == 3 and engine.block_manager.num_cached_blocks == 2
+    assert engine.block_manager.prefix_cache_stats == PrefixCacheStats(
+        requests=1, queries=9, hits=0, hit_requests=0
+    )
 
 
 # --- issue 15: the engine behaves like vLLM v1 -------------------------------------------------------------------
@@ -305,7 +317,7 @@ def _peak_by_step(engine, prompts, params):
     peak = []
     while not all(s.is_finished for s in seqs):
         engine.step()
-        peak.append(engine.num_used_blocks)
+        peak.append(engine.block_manager.num_used_blocks)
     return seqs, peak
 
 
@@ -327,7 +339,7 @@ def test_sliding_window_frees_blocks_behind_the_window(caching):
     # A pool of exactly the window's bound (cdiv(window - 1 + chunk, bs) + 1 blocks) serves it without preemption.
     small = LLMEngine(model, block_size=bs, num_blocks=4, max_num_batched_tokens=chunk)
     out = small.generate([prompt], params)
-    assert out[0].token_ids == seqs[0].output_token_ids and small.num_preemptions == 0
+    assert out[0].token_ids == seqs[0].output_token_ids and small.scheduler.num_preemptions == 0
     assert small.max_model_len == model.config.max_position_embeddings
 
 
@@ -338,7 +350,7 @@ def test_hybrid_model_keeps_one_block_table_per_group():
     expected = reference(model, prompts)
     for knobs in (dict(num_blocks=128), dict(num_blocks=60, max_num_seqs=3)):  # roomy, preempting
         engine = LLMEngine(model, block_size=bs, max_num_batched_tokens=16, **knobs)
-        groups = engine.kv_cache_groups
+        groups = engine.runner.groups
         # Gemma 3: five sliding layers to one full; groups of one layer each, full first (vLLM's grouping).
         assert [g.window for g in groups] == [None] + [window] * 5
         assert sorted(layer for g in groups for layer in g.layers) == list(range(6))
@@ -357,9 +369,9 @@ def test_hybrid_model_keeps_one_block_table_per_group():
                 freed = max(freed, len(full) - min(held))
         assert [s.output_token_ids for s in seqs] == expected
         assert freed >= 3, "sliding groups dropped blocks the full group still holds"
-        assert sum(engine.num_used_blocks_by_group()) == 0
-        assert engine.num_free_blocks == engine.num_blocks
-    assert engine.num_preemptions > 0
+        assert sum(engine.block_manager.num_used_blocks_by_group()) == 0
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.scheduler.num_preemptions > 0
 
 
 def test_different_cache_salts_share_nothing(llama):
@@ -369,9 +381,11 @@ def test_different_cache_salts_share_nothing(llama):
     params = SamplingParams(max_tokens=4)
     first = engine.generate([{"prompt_token_ids": system + [5], "cache_salt": "tenant-a"}], params)
     other = engine.generate([{"prompt_token_ids": system + [6], "cache_salt": "tenant-b"}], params)
-    assert engine.prefix_cache_stats.hits == 0, "a different salt finds none of tenant-a's blocks"
+    assert engine.block_manager.prefix_cache_stats.hits == 0, (
+        "a different salt finds none of tenant-a's blocks"
+    )
     same = engine.generate([{"prompt_token_ids": system + [7], "cache_salt": "tenant-a"}], params)
-    assert engine.prefix_cache_stats.hits == 24 and same[0].metrics.num_cached_tokens == 24
+    assert engine.block_manager.prefix_cache_stats.hits == 24 and same[0].metrics.num_cached_tokens == 24
     assert [o[0].token_ids for o in (first, other, same)] == reference(
         llama, [system + [5], system + [6], system + [7]], 4
     )
@@ -389,8 +403,8 @@ def test_preemption_recomputes_less_with_prefix_caching(llama):
         engine = LLMEngine(llama, block_size=4, num_blocks=20, enable_prefix_caching=caching)
         out = engine.generate(prompts, SamplingParams(max_tokens=16))
         assert [o.token_ids for o in out] == expected
-        assert engine.num_preemptions > 0
-        recomputed[caching] = engine.num_recomputed_tokens
+        assert engine.scheduler.num_preemptions > 0
+        recomputed[caching] = engine.block_manager.num_recomputed_tokens
     assert 0 < recomputed[True] < recomputed[False]
 
 
@@ -422,8 +436,8 @@ def test_pool_sized_by_memory_budget(llama, caplog):
         engine = LLMEngine(
             llama, block_size=8, memory_budget_bytes=weights + 2**20, max_num_batched_tokens=64
         )
-    budget = engine.model_runner.memory_budget
-    assert isinstance(budget, MemoryBudget) and budget.num_blocks == engine.num_blocks
+    budget = engine.runner.memory_budget
+    assert isinstance(budget, MemoryBudget) and budget.num_blocks == engine.block_manager.num_blocks
     assert (budget.capacity_bytes, budget.gpu_memory_utilization, budget.runtime_bytes) == (
         weights + 2**20,
         1.0,
@@ -431,5 +445,5 @@ def test_pool_sized_by_memory_budget(llama, caplog):
     )
     buffers = sum(b.numel() * b.element_size() for b in llama.buffers())  # rotary tables count as weights
     assert budget.weight_bytes == weights + buffers and budget.activation_bytes > 0
-    assert engine.kv_cache_bytes == budget.kv_pool_bytes
+    assert engine.pool.nbytes == budget.kv_pool_bytes
     assert "= KV pool" in caplog.text and "measured (profiled 64-token forward)" in caplog.text

@@ -125,9 +125,9 @@ def assert_pool_bytes_measured(model, engine_kwargs):
     device = next(model.parameters()).device
     with MemoryTracker(device) as mem:
         engine = LLMEngine(model, **engine_kwargs)
-    expected = expected_pool_bytes(model, engine.num_blocks * engine.block_size)
+    expected = expected_pool_bytes(model, engine.block_manager.num_blocks * engine.config.block_size)
     assert tensor_bytes(engine.pool.kv) == expected
-    assert engine.kv_cache_bytes == expected
+    assert engine.pool.nbytes == expected
     # The engine also keeps a one-element mask placeholder (512 B once the CUDA allocator rounds it up).
     assert 0 <= mem.retained_bytes - expected < 1024
     return engine
@@ -137,8 +137,8 @@ def assert_pool_bytes_measured(model, engine_kwargs):
 def test_engine_pool_bytes_measured_equal_module_expectation(family):
     model = tiny_model(family, layers=2, hidden=64, heads=4, kv_heads=2, vocab=256)
     engine = assert_pool_bytes_measured(model, dict(block_size=8, num_blocks=10))
-    assert engine.kv_bytes_per_token == kv_bytes_per_token(model.config, torch.float32)
-    assert engine.kv_cache_bytes == 10 * 8 * 2 * 2 * (2 * 16) * 4  # layers × K,V × kv_heads × head_dim × fp32
+    assert engine.runner.kv_bytes_per_token == kv_bytes_per_token(model.config, torch.float32)
+    assert engine.pool.nbytes == 10 * 8 * 2 * 2 * (2 * 16) * 4  # layers × K,V × kv_heads × head_dim × fp32
 
 
 @pytest.mark.parametrize("mutation", ["extra layer", "extra kv head"])

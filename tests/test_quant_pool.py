@@ -34,13 +34,13 @@ def _tiny(family="llama"):
 def test_quantized_pool_bytes_are_exact(family, kv_cache_dtype):
     model = _tiny(family)
     engine = LLMEngine(model, block_size=8, num_blocks=10, kv_cache_dtype=kv_cache_dtype)
-    slots = engine.num_blocks * engine.block_size
+    slots = engine.block_manager.num_blocks * engine.config.block_size
     expected = measure.expected_pool_bytes(model, slots, kv_cache_dtype=kv_cache_dtype)
     # Measured from the tensors the pool allocated (codes and scales), against the modules' K/V widths.
-    assert measure.tensor_bytes(*engine.pool.tensors()) == engine.kv_cache_bytes == expected
-    assert engine.kv_bytes_per_token * slots == expected
+    assert measure.tensor_bytes(*engine.pool.tensors()) == engine.pool.nbytes == expected
+    assert engine.runner.kv_bytes_per_token * slots == expected
     # 1 byte per element plus one fp16 scale per token and head: 2 layers x K,V x 2 heads x (16 + 2) bytes.
-    assert engine.kv_bytes_per_token == 2 * 2 * 2 * (16 + 2)
+    assert engine.runner.kv_bytes_per_token == 2 * 2 * 2 * (16 + 2)
     assert engine.pool.kv.element_size() == 1 and engine.pool.scales is not None
     assert engine.pool.scales.dtype == torch.float16
 
@@ -49,7 +49,8 @@ def test_same_budget_gives_about_twice_the_blocks_of_bf16():
     model = _tiny().to(torch.bfloat16)
     budget = 64 * 2**20
     blocks = {
-        d: LLMEngine(model, memory_budget_bytes=budget, kv_cache_dtype=d).num_blocks for d in ("auto", "fp8")
+        d: LLMEngine(model, memory_budget_bytes=budget, kv_cache_dtype=d).block_manager.num_blocks
+        for d in ("auto", "fp8")
     }
     shape = KVShape.from_config(model.config)
     ratio = KVPool.bytes_per_token(shape, torch.bfloat16) / KVPool.bytes_per_token(

@@ -1,5 +1,8 @@
 """kvlab.simulate: the scheduler and block manager on a virtual clock, validated against the real engine."""
 
+import dataclasses
+import hashlib
+import json
 import math
 
 import numpy as np
@@ -7,8 +10,11 @@ import pytest
 
 from kvlab import simulate as sim
 from kvlab.clock import VirtualClock
+from kvlab.config import EngineConfig
+from kvlab.cost_runner import CostRunner
 from kvlab.engine import LLMEngine
 from kvlab.models import tiny_model
+from kvlab.sequence import SamplingParams
 from kvlab.workloads import synthetic_trace
 
 KNOBS = dict(
@@ -29,20 +35,73 @@ def model():
 
 
 def test_simulator_equals_engine_on_a_virtual_clock(model):
-    """Same policy code: with the engine's own virtual-clock cost, every token time matches to the bit."""
+    """One step loop on two runners: with the engine's own virtual-clock cost, the model runner and the cost
+    runner give the same token times and the same step statistics, to the bit."""
     clock = VirtualClock()
     requests = trace(30, 40.0, seed=3)
     engine = LLMEngine(model, clock=clock, **KNOBS)
     outputs = engine.replay(requests)
-    result = sim.simulate(
-        requests,
-        lambda new, ctx: clock.step_seconds(sum(new), sum(ctx)),
-        **SIM_KNOBS,
-    )
-    assert result.num_preemptions == engine.num_preemptions > 0  # the pool is small enough to preempt
+    result = sim.simulate(requests, lambda new, ctx: clock.step_seconds(sum(new), sum(ctx)), **SIM_KNOBS)
+    # The pool is small enough to preempt.
+    assert result.num_preemptions == engine.scheduler.num_preemptions > 0
+    assert result.step_stats == engine.step_stats
     for out, metrics in zip(outputs, result.requests, strict=True):
-        assert metrics.token_times == pytest.approx(out.metrics.token_times, abs=1e-12)
-        assert metrics.first_token_time == pytest.approx(out.metrics.first_token_time, abs=1e-12)
+        assert metrics.token_times == out.metrics.token_times
+        assert metrics.first_token_time == out.metrics.first_token_time
+
+
+def _digest(result: sim.SimulationResult) -> str:
+    fields = dict(
+        requests=[dataclasses.asdict(m) for m in result.requests],
+        stats=[dataclasses.asdict(s) for s in result.step_stats],
+        pre=result.num_preemptions,
+        peak=result.peak_blocks_used,
+        secs=result.step_seconds,
+        queued=result.queued,
+        mru=result.mean_running_unrecorded,
+    )
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+SMALL_POOL = dict(num_blocks=48, block_size=8, max_num_seqs=16, max_num_batched_tokens=64)
+
+
+@pytest.mark.parametrize(
+    "knobs, seed, digest",
+    [
+        (SMALL_POOL, 1, "d9d203b1c363a7d2"),
+        (SMALL_POOL | dict(concurrency=3), 1, "8498f884ed193051"),
+        (SMALL_POOL | dict(scheduling="static"), 2, "75d2212d2886ff98"),
+        (dict(num_blocks=400, block_size=16, concurrency=5, record_steps=False), 1, "fd1b757e71f2bbad"),
+    ],
+)
+def test_simulation_results_are_pinned_to_the_bit(knobs, seed, digest):
+    """Every metric, step statistic and step time of these runs as the simulator gave them before it became the
+    engine on a cost runner (issue 20): a refactor that moves one float fails here."""
+    cost = sim.LinearStepCost(2e-3, 5e-5, 1e-6, 1e-4, 3e-4)
+    requests = synthetic_trace(
+        30, "sharegpt", request_rate=40.0, scale=0.1, seed=seed, max_input_len=60, max_output_len=40
+    )
+    assert _digest(sim.simulate(requests, cost, **knobs)) == digest
+
+
+def test_prefix_sharing_simulation_is_pinned_to_the_bit():
+    requests = [sim.TraceRequest(0.01 * i, tuple([5] * 40 + [6 + i % 3] * 9), 7) for i in range(20)]
+    cost = sim.LinearStepCost(2e-3, 5e-5, 1e-6, 1e-4, 3e-4)
+    assert _digest(sim.simulate(requests, cost, num_blocks=30, block_size=8)) == "8596ff9574474eb7"
+
+
+def test_simulator_is_the_engine_on_a_cost_runner():
+    """No copy of the step loop: `simulate` drives `LLMEngine.step`, and a cost runner sees every batch."""
+    runner = CostRunner(sim.LinearStepCost(1e-3, 1e-4), num_blocks=16)
+    engine = LLMEngine(config=EngineConfig(block_size=4), runner=runner, clock=VirtualClock())
+    seen = []
+    engine.scheduler.on_step.append(lambda batch: seen.append(batch.num_batched_tokens))
+    (out,) = engine.generate([[2, 3, 4, 5, 6]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert out.finish_reason == "length" and len(out.token_ids) == 3 and engine.pool is None
+    assert seen == [5, 1, 1] and runner.step_seconds == pytest.approx([1.5e-3, 1.1e-3, 1.1e-3])
+    assert engine.clock.now() == sum(runner.step_seconds)
+    assert engine.max_model_len == 64, "with no model limit, the pool's 16 blocks of 4 tokens bound it"
 
 
 def test_linear_cost_fit_recovers_constants():

@@ -40,6 +40,39 @@ def block_hash(parent: int | None, tokens: list[int], extra: str | None = None) 
     return int.from_bytes(digest.digest()[:16], "little")
 
 
+def blocks_per_request(
+    windows: Sequence[int | None], block_size: int, max_num_batched_tokens: int, context_len: int
+) -> int:
+    """Most blocks one request of `context_len` tokens holds over all KV-cache groups: a sliding group at most
+    cdiv(window - 1 + max_num_batched_tokens, block_size) + 1 (vLLM 0.33.0 `SlidingWindowSpec.
+    max_memory_usage_bytes`, `vllm/v1/kv_cache_interface.py`)."""
+    return sum(
+        blocks_for(context_len, block_size)
+        if w is None
+        else blocks_for(min(w - 1 + max_num_batched_tokens, context_len), block_size) + 1
+        for w in windows
+    )
+
+
+def longest_request(
+    windows: Sequence[int | None], num_blocks: int, block_size: int, max_num_batched_tokens: int, limit: int
+) -> int:
+    """The longest sequence, at most `limit` tokens, that `num_blocks` blocks hold alone (the model's limit if only
+    sliding groups hold it); otherwise a whole number of blocks."""
+
+    def fits(tokens: int) -> bool:
+        return blocks_per_request(windows, block_size, max_num_batched_tokens, tokens) <= num_blocks
+
+    if fits(limit):
+        return limit
+    # Bisect on whole blocks: `fits` holds at `low` blocks (or low is 0) and fails at `high`.
+    low, high = 0, limit // block_size + 1
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid * block_size) else (low, mid)
+    return low * block_size
+
+
 class BlockAllocator:
     """Reference counts and vLLM v1's free queue.
 
@@ -131,6 +164,7 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.windows = list(windows)
+        self.has_sliding_groups = any(w is not None for w in windows)
         self.cached: dict[tuple[int, int], int] = {}  # (group, block hash) -> block id
         self.block_group = [0] * num_blocks  # which group a block in use belongs to
         self.allocator.on_evict = self._evict
@@ -165,6 +199,12 @@ class BlockManager:
             if refs:
                 counts[self.block_group[block_id]] += 1
         return counts
+
+    def max_concurrency(self, context_len: int, max_num_batched_tokens: int) -> float:
+        """How many requests of `context_len` tokens the pool holds at once (vLLM's startup figure)."""
+        return self.num_blocks / blocks_per_request(
+            self.windows, self.block_size, max_num_batched_tokens, context_len
+        )
 
     @property
     def capacity_tokens(self) -> int:
@@ -275,6 +315,8 @@ class BlockManager:
 
     def remove_skipped_blocks(self, seq: Sequence_) -> None:
         """Free the blocks of sliding groups that lie wholly behind the window of the next token to compute."""
+        if not self.has_sliding_groups:
+            return
         for g, table in enumerate(seq.block_tables):
             skipped = min(self._skipped_blocks(g, seq.num_computed_tokens), len(table))
             freed = []
@@ -331,8 +373,11 @@ class BlockManager:
 
     def used_token_slots(self, seqs: Iterable[Sequence_]) -> int:
         """Token slots of the pool that hold a computed token (a shared block counts once)."""
-        filled: dict[int, int] = {}
         bs = self.block_size
+        if not self.enable_prefix_caching and not self.has_sliding_groups:
+            # No block is shared and no entry is null: each table's computed tokens fill its blocks in order.
+            return sum(min(seq.num_computed_tokens, len(t) * bs) for seq in seqs for t in seq.block_tables)
+        filled: dict[int, int] = {}
         for seq in seqs:
             for table in seq.block_tables:
                 for i, block_id in enumerate(table):

@@ -14,11 +14,15 @@ is given, the capacity is that budget, all of it usable (utilisation 1.0, no run
 
 Hybrid models (sliding and full layers, Gemma 3) get one block table per KV-cache group (`kvlab.paging.
 kv_cache_groups`); each step builds one `PagedContext` per group and every layer reads its group's.
+
+`Runner` is what `kvlab.engine.LLMEngine` asks of whatever runs its batches: this model runner, or a step cost
+that runs no model (`kvlab.cost_runner.CostRunner`, the simulator's).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
@@ -37,7 +41,7 @@ from kvlab.paging import (
     kv_cache_groups,
     slots_for,
 )
-from kvlab.scheduler import ScheduledBatch
+from kvlab.scheduler import RunnerOutput, ScheduledBatch
 from kvlab.sequence import Sequence
 from kvlab.units import format_bytes
 
@@ -45,6 +49,35 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_BUDGET = 256 * 2**20  # bytes of "device" memory the engine may use on CPU
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of GPU memory
+
+
+class Runner(Protocol):
+    """What the engine runs its batches on, and what it learns of it at startup."""
+
+    @property
+    def num_blocks(self) -> int: ...  # blocks of the KV pool
+
+    @property
+    def windows(self) -> list[int | None]: ...  # per KV-cache group: None (full attention) or its window
+
+    @property
+    def max_model_len(self) -> int | None: ...  # the model's context limit (None: only the pool bounds it)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    @property
+    def pool(self) -> KVPool | None: ...
+
+    def run(self, batch: ScheduledBatch) -> RunnerOutput: ...
+
+    def release(self, seq: Sequence) -> None: ...
+
+
+def eos_token_ids(model: PreTrainedModel) -> frozenset[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    eos = model.config.get_text_config().eos_token_id if eos is None else eos
+    return frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
 
 
 class ModelRunner:
@@ -75,6 +108,25 @@ class ModelRunner:
             self.shape, num_blocks, self.block_size, self.dtype, self.device, self.kv_cache_dtype
         )
         self._generators: dict[int, torch.Generator] = {}
+        self.max_model_len: int | None = model.config.get_text_config().max_position_embeddings
+        self.eos_token_ids = eos_token_ids(model)
+        logger.info(
+            "KV cache: %d blocks × %d tokens = %d tokens (%s, %s per token); layout %s",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.block_size,
+            format_bytes(self.pool.nbytes),
+            format_bytes(self.kv_bytes_per_token),
+            config.kv_layout,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def windows(self) -> list[int | None]:
+        return [g.window for g in self.groups]
 
     @torch.inference_mode()
     def profile_num_blocks(self, budget: int | None, tokens: int) -> int:
@@ -151,11 +203,11 @@ class ModelRunner:
 
     # --- one step -----------------------------------------------------------------------------------------------
 
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[list[int] | None]]:
+    def run(self, batch: ScheduledBatch) -> RunnerOutput:
         """Forward the batch's scheduled tokens; the sequences that get a new token, their tokens, and per
         sequence its `params.logprobs` best token ids at that position (None when it asked for none).
 
-        Sequences' `num_computed_tokens` are left to the caller: the runner only reads the batch.
+        Sequences' `num_computed_tokens` are left to `Scheduler.postprocess`: the runner only reads the batch.
         """
         ids: list[int] = []
         positions: list[int] = []
@@ -170,10 +222,13 @@ class ModelRunner:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids += seq.token_ids[start:end]
             positions += range(start, end)
+            num_blocks = blocks_for(end, bs)
             for g, table in enumerate(seq.block_tables):
                 slots[g] += slots_for(table, start, end, bs)
-                # Entries freed behind a sliding window read block 0: the window's mask hides them.
-                tables[g].append([max(b, 0) for b in table[: blocks_for(end, bs)]])
+                # Entries freed behind a sliding window read block 0: the window's mask hides them (a full
+                # group's table has no such entry).
+                sliding = self.groups[g].window is not None
+                tables[g].append([max(b, 0) for b in table[:num_blocks]] if sliding else table[:num_blocks])
             context_lens.append(end)
             if end == seq.num_tokens:  # the last known token: its logits give the next one
                 sample_rows.append(len(ids) - 1)
@@ -187,7 +242,7 @@ class ModelRunner:
             torch.tensor(sample_rows, dtype=torch.long, device=device),
         )
         tokens, top_ids = self.sample(sampled, logits[0].float())
-        return sampled, tokens, top_ids
+        return RunnerOutput(sampled, tokens, top_ids)
 
     @torch.inference_mode()
     def forward(

@@ -143,10 +143,10 @@ def _timed_requests(
     scheduled, prefix hits reported)."""
     engine = LLMEngine(model, enable_prefix_caching=caching, **knobs)
     engine.generate([warmup], ONE_TOKEN)
-    warm_steps, warm_hits = len(engine.step_stats), engine.prefix_cache_stats.hits
+    warm_steps, warm_hits = len(engine.step_stats), engine.block_manager.prefix_cache_stats.hits
     ttfts = [1e3 * engine.generate([list(p)], ONE_TOKEN)[0].metrics.ttft for p in prompts]
     scheduled = sum(s.num_batched_tokens for s in engine.step_stats[warm_steps:])
-    return ttfts, scheduled, engine.prefix_cache_stats.hits - warm_hits
+    return ttfts, scheduled, engine.block_manager.prefix_cache_stats.hits - warm_hits
 
 
 def measure_sharing_run(
@@ -278,13 +278,13 @@ def _attack(
     engine = LLMEngine(model, **knobs)
     engine.generate([ids(own_len)], ONE_TOKEN)
     engine.generate([{"prompt_token_ids": list(victim), "cache_salt": salts[0]}], ONE_TOKEN)
-    before = engine.prefix_cache_stats.hits
+    before = engine.block_manager.prefix_cache_stats.hits
     probes = {}
     for name, prefix in zip(GUESSES, (system, wrong), strict=True):
         prompt = list(prefix) + ids(own_len)
         (out,) = engine.generate([{"prompt_token_ids": prompt, "cache_salt": salts[1]}], ONE_TOKEN)
         probes[name] = Probe(len(prompt), out.metrics.num_cached_tokens, 1e3 * out.metrics.ttft)
-    return probes, engine.prefix_cache_stats.hits - before
+    return probes, engine.block_manager.prefix_cache_stats.hits - before
 
 
 def _fastest(rounds: list[dict[str, Probe]]) -> dict[str, Probe]:

@@ -12,16 +12,25 @@ and `--swap-space` are gone): its blocks are freed, its tokens kept, and it goes
 to be prefilled again, prompt plus output so far, when memory allows. With prefix caching on, its freed full
 blocks keep their hashes, so on re-admission it takes back those not evicted meanwhile and recomputes only the
 rest (`BlockManager.num_recomputed_tokens` counts what is prefilled again).
+
+After the runner has run a batch, `postprocess` (nano-vllm's) advances each sequence's computed tokens, appends
+the sampled tokens, retires sequences that hit eos, `max_tokens` or `max_model_len`, and records the step's
+`kvlab.metrics.StepStats`. Whatever runs the batch, a model (`kvlab.model_runner.ModelRunner`) or a step cost
+(`kvlab.cost_runner.CostRunner`, the simulator), this one loop decides what happens next. Observers register
+callbacks: `on_step` sees every batch that ran, before its tokens are appended; `on_finish` every sequence that
+finishes, at that moment (a closed-loop load lets the next request in there).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
 from kvlab.block_manager import BlockManager
+from kvlab.metrics import StepStats
 from kvlab.sequence import Sequence, Status
 
 logger = logging.getLogger(__name__)
@@ -57,18 +66,46 @@ class ScheduledBatch:
     def num_batched_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def context_lens(self) -> list[int]:
+        """Each sequence's context once the step has run (read before `Scheduler.postprocess` advances it)."""
+        return [s.num_computed_tokens + n for s, n in zip(self.seqs, self.num_new_tokens, strict=True)]
+
     def __len__(self) -> int:
         return len(self.seqs)
 
 
+@dataclass
+class RunnerOutput:
+    """What a runner returns for a batch: the sequences that sampled a token, their tokens, per sequence its
+    `params.logprobs` best token ids (None when it asked for none), and the step's modelled seconds where the
+    runner models time (a cost runner; None: the step took real time)."""
+
+    seqs: list[Sequence]
+    token_ids: list[int]
+    top_token_ids: list[list[int] | None]
+    seconds: float | None = None
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        eos_token_ids: Iterable[int] = (),
+        log_stats: bool = True,
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()  # arrival order; preempted sequences go to the front
         self.running: list[Sequence] = []  # admission order: the last is preempted first
         self.static_batch: set[int] = set()  # static mode: seq ids of the batch being run
         self.num_preemptions = 0
+        # One row per step that ran; `log_stats=False` skips them (the slot count is costly on long traces).
+        self.log_stats = log_stats
+        self.step_stats: list[StepStats] = []
+        self.on_step: list[Callable[[ScheduledBatch], None]] = []
+        self.on_finish: list[Callable[[Sequence], None]] = []
 
     def add(self, seq: Sequence) -> None:
         # Keep the queue in arrival order even when a trace adds requests out of order.
@@ -141,9 +178,63 @@ class Scheduler:
             budget -= admitted
         return batch
 
+    def postprocess(self, batch: ScheduledBatch, output: RunnerOutput, now: float) -> list[Sequence]:
+        """Account for a batch the runner has run, at clock time `now`; returns the sequences it finished."""
+        for hook in self.on_step:
+            hook(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+        finished = []
+        for seq, token, top in zip(output.seqs, output.token_ids, output.top_token_ids, strict=True):
+            seq.token_ids.append(token)
+            if top is not None:
+                seq.top_token_ids.append(top)
+            seq.metrics.token_times.append(now)
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            reason = self._finish_reason(seq, token)
+            if reason:
+                seq.metrics.finish_time = now
+                self.finish(seq, reason)
+                finished.append(seq)
+        if self.log_stats:
+            self._record(batch, now)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        if not seq.params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        num_tokens = len(seq.token_ids)
+        if (
+            num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
+            or num_tokens >= self.config.max_model_len
+        ):
+            return "length"
+        return None
+
+    def _record(self, batch: ScheduledBatch, now: float) -> None:
+        bm = self.block_manager
+        self.step_stats.append(
+            StepStats(
+                step=len(self.step_stats),
+                time=now,
+                num_running=len(self.running),
+                num_waiting=len(self.waiting),
+                num_batched_tokens=batch.num_batched_tokens,
+                num_prefill_tokens=sum(n for n in batch.num_new_tokens if n > 1),
+                num_decode_seqs=sum(n == 1 for n in batch.num_new_tokens),
+                num_preempted=len(batch.preempted),
+                blocks_used=bm.num_used_blocks,
+                used_token_slots=bm.used_token_slots(self.running),
+                reserved_token_slots=bm.num_used_blocks * bm.block_size,
+            )
+        )
+
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)
         if seq in self.running:
             self.running.remove(seq)
+        for hook in self.on_finish:
+            hook(seq)

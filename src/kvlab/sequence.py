@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 from enum import Enum
 from itertools import count
+from typing import Any
 
 from kvlab.metrics import RequestMetrics
 
@@ -26,6 +29,26 @@ class SamplingParams:
             )
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or self.logprobs < 1):
             raise ValueError(f"logprobs must be None or an int >= 1, got {self.logprobs!r}")
+
+
+Prompt = Sequence_[int] | Mapping[str, Any]  # token ids, or {"prompt_token_ids": [...], "cache_salt": "..."}
+
+
+def parse_prompt(prompt: Prompt) -> tuple[list[int], str | None]:
+    """Token ids and cache salt of a prompt in either form; a one-line error for anything else."""
+    if isinstance(prompt, Mapping):
+        unknown = set(prompt) - {"prompt_token_ids", "cache_salt"}
+        if "prompt_token_ids" not in prompt or unknown:
+            raise ValueError(
+                f"a prompt dict needs 'prompt_token_ids' and may have 'cache_salt', got keys {sorted(prompt)}"
+            )
+        salt = prompt.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+        return list(prompt["prompt_token_ids"]), salt
+    if isinstance(prompt, (str, bytes)):
+        raise ValueError("prompts are token ids (or a dict with 'prompt_token_ids'), not text")
+    return list(prompt), None
 
 
 class Status(Enum):

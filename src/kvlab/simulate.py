@@ -1,11 +1,11 @@
-"""A discrete-event serving simulator: kvlab's own scheduler and block manager, no model, a virtual clock.
+"""A discrete-event serving simulator: kvlab's own engine, no model, a virtual clock.
 
-`simulate(trace, cost, ...)` replays a request trace through the same `kvlab.scheduler.Scheduler` and
-`kvlab.block_manager.BlockManager` objects `kvlab.engine.LLMEngine` runs, so admission, chunked prefill, prefix
-caching and preemption by recompute are the engine's policy code, not a second copy. What it leaves out is the
-model: each step is charged the seconds a cost model gives for the batch it scheduled (a `StepCost`), and each
-sequence that finishes its scheduled tokens "samples" a placeholder token. Requests ignore eos and produce their
-trace's `max_tokens`, as in vLLM's serving benchmarks.
+`simulate(trace, cost, ...)` replays a request trace through `kvlab.engine.LLMEngine` itself, run on a
+`kvlab.cost_runner.CostRunner` and a `kvlab.clock.VirtualClock`: admission, chunked prefill, prefix caching,
+preemption by recompute, token appending and finishing are the engine's one step loop, not a second copy. What
+it leaves out is the model: each step is charged the seconds a cost model gives for the batch it scheduled (a
+`StepCost`), and each sequence that finishes its scheduled tokens "samples" a placeholder token. Requests ignore
+eos and produce their trace's `max_tokens`, as in vLLM's serving benchmarks.
 
 Two cost models:
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import gc
 import math
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -34,10 +33,13 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from kvlab.block_manager import BlockManager
 from kvlab.claims import Check
+from kvlab.clock import VirtualClock, WallClock
+from kvlab.config import EngineConfig
+from kvlab.cost_runner import CostRunner
+from kvlab.engine import LLMEngine
 from kvlab.metrics import SLO, RequestMetrics, StepStats, summarize
-from kvlab.scheduler import Scheduler, SchedulerConfig
+from kvlab.scheduler import ScheduledBatch
 from kvlab.sequence import SamplingParams
 from kvlab.sequence import Sequence as Seq
 from kvlab.workloads import TraceRequest
@@ -262,136 +264,94 @@ def _check_trace(trace: Sequence[TraceRequest]) -> None:
 def simulate(
     trace: Sequence[TraceRequest],
     cost: StepCost | Callable[[Sequence[int], Sequence[int]], float],
+    config: EngineConfig | None = None,
     *,
-    num_blocks: int,
-    block_size: int = 16,
-    max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 512,
-    max_model_len: int | None = None,
-    enable_prefix_caching: bool = True,
-    enable_chunked_prefill: bool = True,
-    scheduler_reserve_full_isl: bool = False,
-    scheduling: str = "continuous",
     concurrency: int | None = None,
     record_steps: bool = True,
     max_steps: int = 10_000_000,
+    **knobs: Any,
 ) -> SimulationResult:
-    """Replay `trace` through kvlab's scheduler and block manager on a virtual clock charged by `cost`.
+    """Replay `trace` through kvlab's engine with no model: a `CostRunner` charged by `cost` on a virtual clock.
 
-    The knobs are `kvlab.config.EngineConfig`'s, with the pool given in blocks (`kvlab.budget.MemoryBudget
-    .num_blocks` for a GPU). `max_model_len` defaults to what the pool holds. With `concurrency`, the load is a
-    closed loop (vLLM's `--max-concurrency` with `--request-rate inf`): the first `concurrency` requests arrive at
-    0 and each finish lets the next one in, at that moment; the trace's arrival times are ignored.
-    `record_steps=False` skips the per-step statistics (`StepStats`), several times faster for long traces. A request that can never fit
-    (prompt not shorter than `max_model_len`) is an error here, not a silent drop.
+    The knobs are `kvlab.config.EngineConfig`'s (a config, keywords, or both as `LLMEngine` takes them), with the
+    pool given in blocks (`num_blocks`; `kvlab.budget.MemoryBudget.num_blocks` for a GPU). `max_model_len` is
+    the simulated model's context limit, capped by what the pool holds (the default). With `concurrency`, the
+    load is a closed loop (vLLM's `--max-concurrency` with `--request-rate inf`): the first `concurrency`
+    requests arrive at 0 and each finish lets the next one in, at that moment; the trace's arrival times are
+    ignored. `record_steps=False` skips the per-step statistics (`StepStats`), several times faster for long
+    traces. A request that can never fit (prompt not shorter than `max_model_len`) is an error here, not a
+    silent drop.
     """
     _check_trace(trace)
-    if num_blocks < 1 or block_size < 1:
-        raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
-    capacity = num_blocks * block_size
-    max_model_len = capacity if max_model_len is None else min(max_model_len, capacity)
-    longest = max(len(r.prompt_token_ids) for r in trace)
-    if longest >= max_model_len:
-        raise ValueError(
-            f"a prompt of {longest} tokens does not fit: max_model_len is {max_model_len} (pool {capacity} tokens)"
-        )
-    block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-    scheduler = Scheduler(
-        SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            scheduling=scheduling,  # type: ignore[arg-type]
-            enable_chunked_prefill=enable_chunked_prefill,
-            reserve_full_prompt=scheduler_reserve_full_isl,
-        ),
-        block_manager,
-    )
+    config = EngineConfig(**knobs) if config is None else replace(config, **knobs)
+    if config.num_blocks is None:
+        raise ValueError("the simulator needs the pool's size: num_blocks")
     if concurrency is not None and (isinstance(concurrency, bool) or concurrency < 1):
         raise ValueError(f"concurrency must be a positive integer, got {concurrency!r}")
+    runner = CostRunner(cost, config.num_blocks, config.max_model_len)
+    engine = LLMEngine(
+        config=replace(config, max_model_len=None),
+        runner=runner,
+        clock=VirtualClock(),
+        log_stats=record_steps,
+    )
+    longest = max(len(r.prompt_token_ids) for r in trace)
+    if longest >= engine.max_model_len:
+        raise ValueError(
+            f"a prompt of {longest} tokens does not fit: max_model_len is {engine.max_model_len} "
+            f"(pool {engine.block_manager.capacity_tokens} tokens)"
+        )
     seqs: list[Seq] = []
     pending = list(trace)[::-1]  # popped from the end: trace order
 
     def admit(arrival: float) -> None:
         r = pending.pop()
-        seq = Seq(
-            list(r.prompt_token_ids),
-            SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
-            r.arrival_time if concurrency is None else arrival,
-        )
-        scheduler.add(seq)
-        seqs.append(seq)
+        params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
+        arrival = r.arrival_time if concurrency is None else arrival
+        seqs.append(engine.add_request(list(r.prompt_token_ids), params, arrival_time=arrival))
+
+    def admit_next(seq: Seq) -> None:
+        if pending:
+            admit(seq.metrics.finish_time or 0.0)
+
+    peak = 0
+
+    def note_peak(batch: ScheduledBatch) -> None:
+        nonlocal peak
+        peak = max(peak, engine.block_manager.num_used_blocks)
 
     for _ in range(len(pending) if concurrency is None else min(concurrency, len(pending))):
         admit(0.0)
-    now = 0.0
-    stats: list[StepStats] = []
-    step_seconds: list[float] = []
+    if concurrency is not None:
+        engine.scheduler.on_finish.append(admit_next)
+    engine.scheduler.on_step.append(note_peak)
     queued: list[int] = []
     running_sum = 0
-    peak = 0
+    scheduler = engine.scheduler
     for _ in range(max_steps):
         if not scheduler.has_unfinished():
             break
-        batch = scheduler.schedule(now)
-        if not batch.seqs:
-            upcoming = scheduler.next_arrival()
-            if upcoming is not None and upcoming > now:
-                now = upcoming
-                continue
-            if not batch.preempted:
-                raise RuntimeError("the scheduler made no progress: the pool cannot hold one request")
+        ran = len(runner.step_seconds)
+        engine.step()
+        if len(runner.step_seconds) == ran:
             continue
-        contexts = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]
-        seconds = float(cost(batch.num_new_tokens, contexts))
-        sampled = [s for s, end in zip(batch.seqs, contexts, strict=True) if end == s.num_tokens]
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed_tokens += n
-        now += seconds
-        step_seconds.append(seconds)
-        peak = max(peak, block_manager.num_used_blocks)
-        for seq in sampled:
-            # A placeholder token, distinct per sequence and position so outputs never look like shared prefixes.
-            seq.token_ids.append(2 + (seq.seq_id * 7919 + seq.num_tokens) % 1_000_003)
-            seq.metrics.token_times.append(now)
-            if seq.metrics.first_token_time is None:
-                seq.metrics.first_token_time = now
-            if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
-                seq.metrics.finish_time = now
-                scheduler.finish(seq, "length")
-                if pending:
-                    admit(now)
         if record_steps:
+            now = engine.clock.now()
             queued.append(sum(s.arrival_time <= now for s in scheduler.waiting))
-            stats.append(
-                StepStats(
-                    step=len(stats),
-                    time=now,
-                    num_running=len(scheduler.running),
-                    num_waiting=len(scheduler.waiting),
-                    num_batched_tokens=batch.num_batched_tokens,
-                    num_prefill_tokens=sum(n for n in batch.num_new_tokens if n > 1),
-                    num_decode_seqs=sum(n == 1 for n in batch.num_new_tokens),
-                    num_preempted=len(batch.preempted),
-                    blocks_used=block_manager.num_used_blocks,
-                    used_token_slots=block_manager.used_token_slots(scheduler.running),
-                    reserved_token_slots=block_manager.num_used_blocks * block_size,
-                )
-            )
         else:
             running_sum += len(scheduler.running)
     else:
         raise RuntimeError(f"simulation did not finish in {max_steps} steps")
     return SimulationResult(
         [s.metrics for s in seqs],
-        stats,
+        engine.step_stats,
         scheduler.num_preemptions,
-        num_blocks,
-        block_size,
+        config.num_blocks,
+        config.block_size,
         peak,
-        step_seconds,
+        runner.step_seconds,
         queued,
-        running_sum / max(len(step_seconds), 1) if not record_steps else None,
+        running_sum / max(len(runner.step_seconds), 1) if not record_steps else None,
     )
 
 
@@ -406,36 +366,6 @@ def simulate_at_rates(
 
 
 # --- measuring a real engine: what the simulator is validated against -------------------------------------------
-
-
-class _RecordingClock:
-    """The engine's clock, recording what each step ran (the engine reports it in `step_done`).
-
-    `cpu=False`: wall time (`time.perf_counter`), waits sleep, as `kvlab.clock.WallClock`. `cpu=True`: the
-    process's CPU time (`time.process_time`), and a wait for the next arrival jumps the clock forward instead of
-    sleeping: the engine's own work is measured, the time slices other processes take on a shared machine and
-    the sleep's oversleep are not. Both run the same steps on the same model.
-    """
-
-    def __init__(self, cpu: bool = False) -> None:
-        self._read = time.process_time if cpu else time.perf_counter
-        self._cpu = cpu
-        self._offset = -self._read()
-        self.done: list[tuple[int, int]] = []
-        self.waited = False
-
-    def now(self) -> float:
-        return self._read() + self._offset
-
-    def step_done(self, num_batched_tokens: int, num_context_tokens: int) -> None:
-        self.done.append((num_batched_tokens, num_context_tokens))
-
-    def wait_until(self, t: float) -> None:
-        self.waited = True
-        if self._cpu:
-            self._offset += max(0.0, t - self.now())
-        else:
-            time.sleep(max(0.0, t - self.now()))
 
 
 ClockKind = Literal["wall", "cpu"]
@@ -470,18 +400,16 @@ def record_engine_steps(
     A step's seconds run from the start of `LLMEngine.step()` to its return (scheduling, the forward, sampling,
     bookkeeping); its `gap_s`, from that return to the next step's start (this loop's own work). Idle waits for
     the next arrival are neither. `clock="cpu"` times the engine in process CPU time with idle waits jumped
-    (see `_RecordingClock`): the measurement a loaded shared machine can repeat. The run keeps each request's
+    (`kvlab.clock.WallClock(cpu=True)`): the measurement a loaded shared machine can repeat. The run keeps each request's
     output tokens and, with `logprobs`, each token's `logprobs` best ids (as `LLMEngine.replay`).
     """
-    from kvlab.engine import LLMEngine
-
     if clock not in ("wall", "cpu"):
         raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
-    recorder = _RecordingClock(cpu=clock == "cpu")
-    engine = LLMEngine(model, clock=recorder, **engine_knobs)
+    timer = WallClock(cpu=clock == "cpu")
+    engine = LLMEngine(model, clock=timer, **engine_knobs)
     trace = list(trace)
     _check_trace(trace)
-    start = recorder.now()
+    start = timer.now()
     seqs = [
         engine.add_request(
             r.prompt_token_ids,
@@ -490,38 +418,30 @@ def record_engine_steps(
         )
         for r in trace
     ]
-    batches: list[
-        tuple[int, int, int, int]
-    ] = []  # (batched tokens, Σ context after, sequences, prefill seqs)
-    schedule = engine.scheduler.schedule
+    # (batched tokens, Σ context after, sequences, prefill seqs) of each batch that ran
+    batches: list[tuple[int, int, int, int]] = []
 
-    def recording_schedule(now: float) -> Any:
-        batch = schedule(now)
-        if batch.seqs:
-            context = sum(
-                s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
-            )
-            prefill = sum(n > 1 for n in batch.num_new_tokens)
-            batches.append((batch.num_batched_tokens, context, len(batch.seqs), prefill))
-        return batch
+    def note(batch: ScheduledBatch) -> None:
+        prefill = sum(n > 1 for n in batch.num_new_tokens)
+        batches.append((batch.num_batched_tokens, sum(batch.context_lens()), len(batch.seqs), prefill))
 
-    engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+    engine.scheduler.on_step.append(note)
     steps: list[StepRecord] = []
     last_end: float | None = None
     while not all(s.is_finished for s in seqs):
-        before = len(recorder.done)
-        recorder.waited = False
-        t0 = recorder.now()
+        ran, preemptions = len(batches), engine.scheduler.num_preemptions
+        t0 = timer.now()
         engine.step()
-        t1 = recorder.now()
-        if len(recorder.done) > before:
+        t1 = timer.now()
+        if len(batches) > ran:
             if steps and last_end is not None:
                 steps[-1] = replace(steps[-1], gap_s=t0 - last_end)
             tokens, context, num_seqs, prefill = batches[-1]
             steps.append(StepRecord(tokens, context, num_seqs, t1 - t0, prefill))
             last_end = t1
-        elif recorder.waited:
-            last_end = None  # an idle wait: no host gap to attribute
+        elif engine.scheduler.num_preemptions == preemptions:
+            # Nothing ran and nothing was preempted: an idle wait for the next arrival, no host gap to attribute.
+            last_end = None
     for seq in seqs:
         seq.metrics.arrival_time -= start
         seq.metrics.first_token_time = (seq.metrics.first_token_time or 0.0) - start
@@ -530,8 +450,8 @@ def record_engine_steps(
     return EngineRun(
         [s.metrics for s in seqs],
         steps,
-        engine.num_preemptions,
-        engine.num_blocks,
+        engine.scheduler.num_preemptions,
+        engine.block_manager.num_blocks,
         [list(s.output_token_ids) for s in seqs],
         [[list(t) for t in s.top_token_ids] for s in seqs],
     )
