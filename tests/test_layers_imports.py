@@ -15,13 +15,8 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "kvlab"
 
-# Edges (importer, imported) allowed to close a cycle for now, each with who removes it.
-KNOWN_CYCLE_EDGES: set[tuple[str, str]] = {
-    # kvlab/__init__ loads kvlab.env (env_report, pick_device) and env's `env_report` imports the package back
-    # for `kvlab.__version__`. Fixed by whoever owns env.py and __init__.py (issue 20, items 2/6/10/13): the
-    # version in a module that imports nothing, or read with importlib.metadata.
-    ("kvlab.env", "kvlab"),
-}
+# Edges (importer, imported) allowed to close a cycle for now, each with a comment saying who removes it.
+KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()
 
 
 def module_files(src: Path = SRC, package: str = PACKAGE) -> dict[str, Path]:

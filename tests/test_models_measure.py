@@ -1,5 +1,6 @@
 import pytest
 import torch
+from transformers import DynamicCache
 
 from kvlab import decode, measure, models, sizing
 
@@ -98,6 +99,20 @@ def test_cached_and_uncached_decode_agree():
     assert cached.tokens == reference
     cost = decode.step_flops(model, 16)
     assert cost.uncached_flops == 17 * cost.cached_flops
+
+
+def test_greedy_decode_into_a_given_cache_never_choosing_eos_early():
+    model = models.tiny_model("llama", layers=2, hidden=64, heads=4, kv_heads=2)
+    ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(1))
+    model.generation_config.eos_token_id = decode.greedy_decode(model, ids, 1).tokens[0][0]
+    cache = DynamicCache(config=model.config)
+    result = decode.greedy_decode(model, ids, 5, cache=cache, min_new_tokens=3)
+    reference = model.generate(ids, max_new_tokens=5, min_new_tokens=3, do_sample=False)[0, 7:].tolist()
+    assert result.tokens == [reference] and result.cache is cache and cache.get_seq_length() == 11
+    # The logits are the model's own: the masked token is still their argmax at the first step.
+    assert result.logits[0, 0].argmax() == model.generation_config.eos_token_id != result.tokens[0][0]
+    with pytest.raises(ValueError, match="use_cache=False"):
+        decode.greedy_decode(model, ids, 2, use_cache=False, cache=DynamicCache(config=model.config))
 
 
 def test_decode_top_ids_and_memory_plan(monkeypatch):

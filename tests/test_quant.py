@@ -119,11 +119,18 @@ def test_bad_input_is_clear():
 
 
 @pytest.mark.parametrize("method", [*quant.METHODS, "hf-fp8"])
-def test_generate_runs_with_every_variant(method):
+def test_greedy_gives_generates_tokens_with_every_variant(method):
     model = models.tiny_model("llama", layers=2, hidden=64, heads=4, kv_heads=2, device="cpu")
-    ids = torch.randint(0, 256, (1, 12))
-    run = quant.greedy(model, ids, method, 6, **({"residual_length": 32} if method == "kivi2" else {}))
-    assert len(run.tokens) == 6
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    options = {"residual_length": 32} if method == "kivi2" else {}
+    first = quant.greedy(model, ids, method, 6, **options).tokens
+    # The token it chose first ends a sequence from now on: greedy, as generate(min_new_tokens=...), avoids it.
+    model.generation_config.eos_token_id = first[0]
+    run = quant.greedy(model, ids, method, 6, **options)
+    cache = quant.cache_factory(method, model, **options)()
+    out = model.generate(ids, cache=cache, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert run.tokens == out[0, 12:].tolist() and first[0] not in run.tokens
+    assert run.seconds_per_token > 0 and run.agreement == 1
 
 
 def test_sliding_layers_stay_full_precision_and_generate_works():

@@ -25,11 +25,15 @@ from transformers import PreTrainedModel
 class Agreement:
     """How two token sequences compare under the top-k rule."""
 
-    length: int  # positions compared: the shorter sequence's length
-    first_difference: int | None  # None: identical over `length` positions
-    token_a: int | None = None  # each side's token at the first difference
+    # Positions compared: the shorter sequence's length
+    length: int
+    # None: identical over `length` positions
+    first_difference: int | None
+    # Each side's token at the first difference
+    token_a: int | None = None
     token_b: int | None = None
-    a_in_b_topk: bool = True  # side A's token is among side B's top-k candidates there
+    # Side A's token is among side B's top-k candidates there
+    a_in_b_topk: bool = True
     b_in_a_topk: bool = True
 
     @property
@@ -123,6 +127,14 @@ def check_tokens_close(
     return results
 
 
+def eos_token_ids(model: PreTrainedModel) -> set[int]:
+    """The token ids that end a sequence in `model`'s generation config (none where it names none)."""
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos)
+
+
 @torch.inference_mode()
 def generate_with_top_k(
     model: PreTrainedModel,
@@ -145,7 +157,8 @@ def generate_with_top_k(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     kwargs: dict[str, Any] = {"do_sample": False, **generate_kwargs}
-    out = cast(Any, model).generate(  # GenerationMixin's method; mypy sees nn.Module's __getattr__
+    # GenerationMixin's method; mypy sees nn.Module's __getattr__.
+    out = cast(Any, model).generate(
         input_ids.to(model.device),
         max_new_tokens=max_new_tokens,
         output_logits=True,
@@ -153,9 +166,9 @@ def generate_with_top_k(
         **kwargs,
     )
     generated = out.sequences[:, input_ids.shape[1] :].tolist()
-    logits = torch.stack(out.logits, dim=1)  # (batch, steps, vocab): raw logits, before any logits processor
-    eos = model.generation_config.eos_token_id
-    eos_ids = set() if eos is None or not stop_at_eos else {eos} if isinstance(eos, int) else set(eos)
+    # (batch, steps, vocab): raw logits, before any logits processor
+    logits = torch.stack(out.logits, dim=1)
+    eos_ids = eos_token_ids(model) if stop_at_eos else set()
     tokens, tops = [], []
     for row, row_logits in zip(generated, logits, strict=True):
         end = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))

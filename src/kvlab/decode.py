@@ -2,7 +2,8 @@
 
 `greedy_decode` runs the plain generation loop by hand (no `generate` helpers) so the lab can show both
 paths: with a `DynamicCache`, each step feeds only the new token; without, each step re-feeds the whole
-history and recomputes every layer's K and V. `step_flops` counts one step of each at a given history length
+history and recomputes every layer's K and V. It is kvlab's one greedy loop: `kvlab.quant.greedy` runs it on a
+quantized cache. `step_flops` counts one step of each at a given history length
 (`torch.utils.flop_counter`); `sweep_recompute` times them, and `check_recompute` states the claim on the times
 (`kvlab.claims.measure_claim` runs the two as a measured claim).
 Chapter: *What the KV cache holds* (book/01_cache_contents).
@@ -10,26 +11,30 @@ Chapter: *What the KV cache holds* (book/01_cache_contents).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import DynamicCache, PreTrainedModel
+from transformers import Cache, DynamicCache, PreTrainedModel
 
-from kvlab.agreement import top_k_ids
+from kvlab.agreement import eos_token_ids, top_k_ids
+from kvlab.checks import check_count
 from kvlab.claims import Check, less
 from kvlab.measure import Timer, cache_tensor_bytes, step_clock
-from kvlab.sizing import check_count
 from kvlab.timing import StepOverhead, StepTiming, _DecodeBench, _hollow_twin, _overhead, random_ids
 from kvlab.units import format_bytes
 
 
 @dataclass
 class DecodeResult:
-    tokens: list[list[int]]  # generated ids per sequence
-    logits: torch.Tensor  # (batch, new_tokens, vocab): the logits each step sampled from
-    cache: DynamicCache | None = None
+    # Generated ids per sequence
+    tokens: list[list[int]]
+    # (batch, new_tokens, vocab): the logits each step chose from, before any end-of-sequence mask
+    logits: torch.Tensor
+    cache: Cache | None = None
+    # `kvlab.measure.cache_tensor_bytes` after each step: the K/V states a `DynamicCache` holds
     cache_bytes_per_step: list[int] = field(default_factory=list)
 
     def top_token_ids(self, k: int) -> list[list[list[int]]]:
@@ -43,26 +48,46 @@ class DecodeResult:
 
 @torch.inference_mode()
 def greedy_decode(
-    model: PreTrainedModel, input_ids: torch.Tensor, max_new_tokens: int, use_cache: bool = True
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    use_cache: bool = True,
+    *,
+    cache: Cache | None = None,
+    min_new_tokens: int = 0,
 ) -> DecodeResult:
-    """Greedy generation of `max_new_tokens` for a (batch, prompt_len) tensor of ids, with or without cache."""
+    """Greedy generation of `max_new_tokens` for a (batch, prompt_len) tensor of ids, with or without cache.
 
+    Every sequence gets all `max_new_tokens` tokens: nothing stops at an end-of-sequence token. `cache`, when
+    given, is the empty cache to fill instead of a fresh `DynamicCache` (a `kvlab.quant.make_cache` one, say).
+    In the first `min_new_tokens` steps no end-of-sequence token is chosen, as `generate(min_new_tokens=...)`
+    masks them.
+    """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not use_cache:  # the last step recomputes the prompt and every token but the newest
+    if cache is not None and not use_cache:
+        raise ValueError("a cache was given with use_cache=False")
+    # The last step recomputes the prompt and every token but the newest
+    if not use_cache:
         check_uncached_step_fits(model, input_ids.shape[1] + max_new_tokens - 2, input_ids.shape[0])
     ids = input_ids.to(model.device)
-    cache = DynamicCache(config=model.config) if use_cache else None
+    if use_cache and cache is None:
+        cache = DynamicCache(config=model.config)
+    eos = sorted(eos_token_ids(model)) if min_new_tokens else []
     step_input, history = ids, ids
     steps_logits, cache_bytes = [], []
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         if use_cache:
             out = model(step_input, cache=cache, use_cache=True)
             cache_bytes.append(cache_tensor_bytes(cache))
         else:
             out = model(history, use_cache=False)
         logits = out.logits[:, -1, :].float()
-        next_token = logits.argmax(dim=-1, keepdim=True)
+        choices = logits
+        if eos and step < min_new_tokens:
+            choices = logits.clone()
+            choices[:, eos] = -math.inf
+        next_token = choices.argmax(dim=-1, keepdim=True)
         steps_logits.append(logits)
         history = torch.cat([history, next_token], dim=1)
         step_input = next_token
@@ -70,12 +95,10 @@ def greedy_decode(
     return DecodeResult(generated.tolist(), torch.stack(steps_logits, dim=1).cpu(), cache, cache_bytes)
 
 
-EAGER_SCORE_COPIES = (
-    2  # eager attention holds a layer's scores and their softmax at once (peak ≈ 2.2× on CPU)
-)
-MEMORY_HEADROOM = (
-    0.8  # share of the free memory a planned forward may take; the rest is activations and logits
-)
+# Eager attention holds a layer's scores and their softmax at once (peak ≈ 2.2× on CPU).
+EAGER_SCORE_COPIES = 2
+# Share of the free memory a planned forward may take; the rest is activations and logits.
+MEMORY_HEADROOM = 0.8
 
 
 def eager_scores_bytes(model: PreTrainedModel, tokens: int, batch_size: int = 1) -> int:
@@ -101,7 +124,8 @@ def check_uncached_step_fits(model: PreTrainedModel, history: int, batch_size: i
     """Raise a clear MemoryError, before running anything, when recomputing `history + 1` positions with eager
     attention would not fit the device's free memory (its score matrices grow with the square of the history)."""
     if getattr(model.config, "_attn_implementation", None) != "eager":
-        return  # fused attention (sdpa, flash) never holds the whole score matrix
+        # Fused attention (sdpa, flash) never holds the whole score matrix
+        return
     device = next(model.parameters()).device
     free = free_memory_bytes(device)
     need = eager_scores_bytes(model, history + 1, batch_size)
@@ -117,7 +141,8 @@ def check_uncached_step_fits(model: PreTrainedModel, history: int, batch_size: i
 
 @dataclass(frozen=True)
 class StepFlops:
-    history: int  # tokens already in the context before this step
+    # Tokens already in the context before this step
+    history: int
     cached_flops: int
     uncached_flops: int
 
@@ -173,8 +198,10 @@ class _RecomputeBench:
 @dataclass(frozen=True)
 class RecomputeTiming:
     history: int
-    cached: StepTiming  # decode steps from a cache of `history` tokens
-    uncached: StepTiming  # the same step recomputing all `history + 1` positions
+    # Decode steps from a cache of `history` tokens
+    cached: StepTiming
+    # The same step recomputing all `history + 1` positions
+    uncached: StepTiming
 
     @property
     def ratio(self) -> float:

@@ -31,7 +31,7 @@ try:
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
-except ImportError as _err:  # pragma: no cover - depends on the torch version
+except ImportError as _err:  # pragma: no cover
     _TRACKER_ERROR: str | None = (
         f"kvlab.measure.MemoryTracker on CPU needs torch internals this torch {torch.__version__} lacks ({_err}); "
         "use torch 2.4 or newer, or measure on CUDA"
@@ -47,9 +47,12 @@ class CacheTensor:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    nbytes: int  # numel × element size of this tensor (a view counts only what it shows)
-    storage_nbytes: int  # bytes of the storage behind it (can exceed nbytes for a sliced view)
-    is_state: bool  # True for the K/V states; False for bookkeeping such as a window-size scalar
+    # numel × element size of this tensor (a view counts only what it shows)
+    nbytes: int
+    # Bytes of the storage behind it (can exceed nbytes for a sliced view)
+    storage_nbytes: int
+    # True for the K/V states; False for bookkeeping such as a window-size scalar
+    is_state: bool
 
 
 _STATE_NAMES = ("keys", "values")
@@ -58,7 +61,8 @@ _STATE_NAMES = ("keys", "values")
 def _layers(cache: Any) -> list[Any]:
     if hasattr(cache, "layers"):
         return list(cache.layers)
-    if isinstance(cache, (tuple, list)):  # legacy tuple-of-(k, v) format
+    # Legacy tuple-of-(k, v) format
+    if isinstance(cache, (tuple, list)):
         return [dict(keys=kv[0], values=kv[1]) for kv in cache]
     raise TypeError(f"cannot read a cache of type {type(cache).__name__}; expected a transformers Cache")
 
@@ -163,7 +167,8 @@ def expected_pool_bytes(
         return num_tokens * module_kv_bytes_per_token(model, dtype)
     code_dtype = pool_format(kv_cache_dtype).code_dtype
     assert code_dtype is not None
-    elements = module_kv_bytes_per_token(model, torch.uint8)  # K and V elements per token, all layers
+    # K and V elements per token, all layers
+    elements = module_kv_bytes_per_token(model, torch.uint8)
     heads = 0
     for module in model.modules():
         k_proj, v_proj = getattr(module, "k_proj", None), getattr(module, "v_proj", None)

@@ -79,7 +79,8 @@ class KVShape:
     num_layers: int
     kv_heads: int
     head_dim: int
-    layer_rows: tuple[int, ...] | None = None  # None: layer i is row i
+    # None: layer i is row i
+    layer_rows: tuple[int, ...] | None = None
 
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> KVShape:
@@ -129,7 +130,8 @@ class KVPool:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.shape, self.num_blocks, self.block_size = shape, num_blocks, block_size
         self.format = pool_format(kv_cache_dtype)
-        self.dtype = dtype  # what attention reads: the model's dtype
+        # What attention reads: the model's dtype
+        self.dtype = dtype
         dims = (shape.num_layers, 2, num_blocks, block_size, shape.kv_heads)
         self.kv = torch.zeros(*dims, shape.head_dim, dtype=self.format.code_dtype or dtype, device=device)
         self.scales: torch.Tensor | None = None
@@ -224,14 +226,18 @@ class DecodeGroup:
     longest context does not double the keys read (with mixed lengths about half of them were padding).
     """
 
-    tokens: torch.Tensor | slice  # where their tokens sit in the step's flat batch (a slice when consecutive)
-    blocks: slice  # their rows of the step's gather index: seqs × width, padding pointing at block 0
-    num_keys: int  # the longest context; keys past it are padding in every row
-    context_lens: torch.Tensor  # (seqs,)
-    uniform: bool  # all contexts equally long: no mask needed without a window
-    masks: dict[int | None, torch.Tensor | None] = field(
-        default_factory=dict
-    )  # per window, built on first use
+    # Where their tokens sit in the step's flat batch (a slice when consecutive)
+    tokens: torch.Tensor | slice
+    # Their rows of the step's gather index: seqs × width, padding pointing at block 0
+    blocks: slice
+    # The longest context; keys past it are padding in every row
+    num_keys: int
+    # (seqs,): each sequence's context length
+    context_lens: torch.Tensor
+    # All contexts equally long: no mask needed without a window
+    uniform: bool
+    # Per window, built on first use
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -241,7 +247,8 @@ class DecodeGroup:
         """(seqs, 1, 1, keys): real keys at or before the query, within the window if any; None when all are."""
         if window not in self.masks:
             if self.uniform and (window is None or window >= self.num_keys):
-                self.masks[window] = None  # lets SDPA take its unmasked (fastest) kernel
+                # Lets SDPA take its unmasked (fastest) kernel
+                self.masks[window] = None
             else:
                 key = torch.arange(self.num_keys, device=self.context_lens.device)[None, :]
                 self.masks[window] = _causal_mask((self.context_lens - 1)[:, None], key, window)[
@@ -250,7 +257,8 @@ class DecodeGroup:
         return self.masks[window]
 
 
-GROUP_COST_BLOCKS = 8  # one more SDPA call costs about as much as padding this many block rows
+# One more SDPA call costs about as much as padding this many block rows
+GROUP_COST_BLOCKS = 8
 
 
 def split_by_width(widths: list[int], group_cost: int = GROUP_COST_BLOCKS) -> list[int]:
@@ -275,13 +283,14 @@ def split_by_width(widths: list[int], group_cost: int = GROUP_COST_BLOCKS) -> li
 class PrefillChunk:
     """One sequence computing several tokens: the last `query_len` tokens of its `context_len`-token context."""
 
-    start: int  # its first token in the step's flat batch
+    # Its first token in the step's flat batch
+    start: int
     query_len: int
     context_len: int
-    blocks: slice | None  # its rows of the step's gather index; None when nothing is cached before the chunk
-    masks: dict[int | None, torch.Tensor | None] = field(
-        default_factory=dict
-    )  # per window, built on first use
+    # Its rows of the step's gather index; None when nothing is cached before the chunk
+    blocks: slice | None
+    # Per window, built on first use
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
     @property
     def end(self) -> int:
@@ -311,13 +320,14 @@ class PagedContext:
     """
 
     pool: KVPool
-    slot_mapping: torch.Tensor  # (tokens,) flat slot of each scheduled token
-    block_ids: torch.Tensor  # (blocks,) what each layer gathers, built once per step
+    # (tokens,) flat slot of each scheduled token
+    slot_mapping: torch.Tensor
+    # (blocks,) what each layer gathers, built once per step
+    block_ids: torch.Tensor
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
-    by_layer: list[PagedContext] | None = (
-        None  # hybrid models: each layer's group's context (own block tables)
-    )
+    # Hybrid models: each layer's group's context (own block tables)
+    by_layer: list[PagedContext] | None = None
 
     @classmethod
     def build(
@@ -340,7 +350,8 @@ class PagedContext:
         for end in split_by_width([len(block_tables[i]) for i in decode]):
             members = decode[begin:end]
             width, first = len(block_tables[members[0]]), len(block_ids)
-            for i in members:  # padding entries point at block 0; the key mask hides them
+            # Padding entries point at block 0; the key mask hides them
+            for i in members:
                 block_ids += block_tables[i] + [0] * (width - len(block_tables[i]))
             lens = [context_lens[i] for i in members]
             tokens = [starts[i] for i in members]
@@ -362,7 +373,8 @@ class PagedContext:
             if q == 1:
                 continue
             rows = None
-            if context_lens[i] > q:  # earlier tokens are only in the pool
+            # Earlier tokens are only in the pool
+            if context_lens[i] > q:
                 rows = slice(len(block_ids), len(block_ids) + len(block_tables[i]))
                 block_ids += block_tables[i]
             prefills.append(PrefillChunk(starts[i], q, context_lens[i], rows))
@@ -400,15 +412,18 @@ def paged_attention_forward(
     ctx, layer = paged_context, int(module.layer_idx)  # type: ignore[arg-type]
     if ctx.by_layer is not None:
         ctx = ctx.by_layer[layer]
-    q = query[0].transpose(0, 1)  # (tokens, heads, head_dim)
+    # (tokens, heads, head_dim)
+    q = query[0].transpose(0, 1)
     ctx.pool.write(layer, ctx.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
     gqa = query.shape[1] != key.shape[1]
     k_blocks, v_blocks = ctx.pool.gather(layer, ctx.block_ids) if len(ctx.block_ids) else (None, None)
     whole = len(ctx.decodes) == 1 and not ctx.prefills and isinstance(ctx.decodes[0].tokens, slice)
-    out = None if whole else torch.empty_like(q)  # a step of decodes only returns the group's output as is
+    # A step of decodes only returns the group's output as is
+    out = None if whole else torch.empty_like(q)
     for group in ctx.decodes:
         assert k_blocks is not None and v_blocks is not None
-        k, v = (  # (seqs, kv_heads, keys, head_dim), views of the gathered blocks
+        # (seqs, kv_heads, keys, head_dim), views of the gathered blocks
+        k, v = (
             b[group.blocks].view(group.num_seqs, -1, *b.shape[2:])[:, : group.num_keys].transpose(1, 2)
             for b in (k_blocks, v_blocks)
         )
@@ -421,7 +436,8 @@ def paged_attention_forward(
         out[group.tokens] = o.to(out.dtype)
     assert out is not None
     for chunk in ctx.prefills:
-        if chunk.blocks is None:  # nothing cached before it: its K/V are this step's
+        # Nothing cached before it: its K/V are this step's
+        if chunk.blocks is None:
             k, v = key[:, :, chunk.start : chunk.end], value[:, :, chunk.start : chunk.end]
         else:
             assert k_blocks is not None and v_blocks is not None
@@ -451,7 +467,8 @@ class DeferredMask:
         self.built = False
 
     def build(self) -> torch.Tensor | None:
-        if not self.built:  # once per forward, not once per layer
+        # Once per forward, not once per layer
+        if not self.built:
             self.mask, self.built = sdpa_mask(**self.kwargs), True
         return self.mask
 

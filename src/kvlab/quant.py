@@ -27,7 +27,6 @@ always does. The int8 and fp8 quantizers, and the storage format of the engine's
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +35,7 @@ import torch
 from transformers import Cache, DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
+from kvlab.decode import DecodeResult, greedy_decode
 from kvlab.kv_format import (
     SCALE_DTYPE,
     TINY_SCALE,
@@ -44,6 +44,7 @@ from kvlab.kv_format import (
     quantize_fp8,
     quantize_int8,
 )
+from kvlab.measure import MemoryTracker, time_call
 
 # ---------------------------------------------------------------------------------------------------------------
 # Quantizers on plain tensors (pure functions, tested one by one); int8 and fp8 are `kvlab.kv_format`'s.
@@ -216,7 +217,8 @@ class Int4Layer(QuantizedKVLayer):
 
     def __init__(self, group_size: int | None = None) -> None:
         super().__init__()
-        self.group_size = group_size or 0  # default: 32 channels, or the whole head if it is narrower
+        # Default: 32 channels, or the whole head if it is narrower
+        self.group_size = group_size or 0
 
     def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.group_size = self.group_size or min(32, keys.shape[-1])
@@ -392,7 +394,8 @@ def predicted_stored_bytes(
     text = config.get_text_config(decoder=True)
     layers, heads = text.num_hidden_layers, text.num_key_value_heads
     d = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    rows = batch * heads * tokens  # (batch, head, token) rows of `d` elements, for K and for V
+    # (batch, head, token) rows of `d` elements, for K and for V
+    rows = batch * heads * tokens
     elem = torch.empty(0, dtype=dtype).element_size()
     if method == "none":
         per_layer = 2 * rows * d * elem
@@ -433,7 +436,8 @@ def cache_factory(method: str | None, model: Any, **options: Any) -> CacheFactor
         from transformers import QuantizedCache
 
         return lambda: QuantizedCache("fp8", config)
-    make_cache(method, config, **options)  # validate now, not inside a loop
+    # Validate now, not inside a loop
+    make_cache(method, config, **options)
     return lambda: make_cache(method, config, **options)
 
 
@@ -450,12 +454,17 @@ class Accuracy:
     """A cache variant against the full-precision cache on the same tokens (teacher-forced)."""
 
     method: str
-    tokens: int  # positions scored
-    nll: float  # mean negative log-likelihood (nats per token)
+    # Positions scored
+    tokens: int
+    # Mean negative log-likelihood (nats per token)
+    nll: float
     reference_nll: float
-    kl: float  # mean KL(reference || variant) of next-token distributions, nats
-    top1_agreement: float  # fraction of positions whose argmax matches the reference's
-    attention_rel_error: float  # ||attn_q - attn|| / ||attn|| over all layers, on the last chunk
+    # Mean KL(reference || variant) of next-token distributions, nats
+    kl: float
+    # Fraction of positions whose argmax matches the reference's
+    top1_agreement: float
+    # ||attn_q - attn|| / ||attn|| over all layers, on the last chunk
+    attention_rel_error: float
 
     @property
     def perplexity(self) -> float:
@@ -587,20 +596,23 @@ def greedy(
     reference: list[int] | None = None,
     **options: Any,
 ) -> GreedyRun:
-    """Greedy `generate` of `steps` tokens with a cache variant (None: `DynamicCache`), timed per token."""
+    """Greedy decoding of `steps` tokens with a cache variant (None: `DynamicCache`), timed per token.
+
+    The loop is `kvlab.decode.greedy_decode` into a fresh cache of `method`, choosing no end-of-sequence token (the
+    tokens of `generate(..., min_new_tokens=steps)`), timed once by `kvlab.measure.time_call`.
+    """
     device = next(model.parameters()).device
     ids = ids.to(device).reshape(1, -1)
     cache = cache_factory(method, model, **options)()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(ids, cache=cache, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elapsed = time.perf_counter() - start
-    tokens = out[0, ids.shape[1] :].tolist()
-    return GreedyRun(str(method), tokens, reference if reference is not None else tokens, elapsed / steps)
+    runs: list[DecodeResult] = []
+    seconds = time_call(
+        lambda: runs.append(greedy_decode(model, ids, steps, cache=cache, min_new_tokens=steps)),
+        device,
+        repeat=1,
+        warmup=0,
+    )
+    tokens = runs[0].tokens[0]
+    return GreedyRun(str(method), tokens, reference if reference is not None else tokens, seconds[0] / steps)
 
 
 @dataclass
@@ -610,15 +622,12 @@ class StepMemory:
     method: str
     context: int
     stored_bytes: int
-    step_peak_bytes: (
-        int  # peak bytes allocated during one decode forward (dequantized K/V, activations, logits)
-    )
+    # Peak bytes allocated during one decode forward (dequantized K/V, activations, logits)
+    step_peak_bytes: int
 
 
 def decode_step_memory(model: Any, ids: torch.Tensor, method: str | None, **options: Any) -> StepMemory:
     """Prefill `ids` into a fresh cache of `method`, then measure one decode step with `MemoryTracker`."""
-    from kvlab.measure import MemoryTracker
-
     device = next(model.parameters()).device
     ids = ids.to(device).reshape(1, -1)
     cache = cache_factory(method, model, **options)()

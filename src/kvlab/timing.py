@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, P
 
 from kvlab import hardware
 from kvlab.arch import describe
+from kvlab.checks import check_count
 from kvlab.claims import Check, between, less
 from kvlab.hardware import Accelerator, Measurement
 from kvlab.measure import Timer, percentiles, step_clock
@@ -40,14 +41,16 @@ from kvlab.roofline import (
     decode_step,
     realistic_time,
 )
-from kvlab.sizing import check_count, weight_bytes
+from kvlab.sizing import weight_bytes
 
 
 @dataclass(frozen=True)
 class StepTiming:
     batch_size: int
-    tokens: int  # context_len for a decode step, prompt_len for a prefill
-    seconds: tuple[float, ...]  # one per timed repeat
+    # context_len for a decode step, prompt_len for a prefill
+    tokens: int
+    # One per timed repeat
+    seconds: tuple[float, ...]
 
     @property
     def median_s(self) -> float:
@@ -182,8 +185,10 @@ class DecodeComparison:
 
     measured: StepTiming
     predicted: StepEstimate
-    predicted_s: float | None = None  # None: the bare roofline bound, `predicted.time_s`
-    overhead_s: float = 0.0  # the fixed per-step cost inside `predicted_s`
+    # None: the bare roofline bound, `predicted.time_s`
+    predicted_s: float | None = None
+    # The fixed per-step cost inside `predicted_s`
+    overhead_s: float = 0.0
 
     @property
     def prediction_s(self) -> float:
@@ -308,9 +313,11 @@ def hollow_config(config: PretrainedConfig) -> PretrainedConfig:
 class StepOverhead:
     """The measured fixed cost of one decode step on a device."""
 
-    timing: StepTiming  # decode steps of the hollow model at batch 1, context 1
+    # Decode steps of the hollow model at batch 1, context 1
+    timing: StepTiming
     layers: int
-    bound_s: float  # the hollow step's own roofline bound (0 without hardware figures), subtracted
+    # The hollow step's own roofline bound (0 without hardware figures), subtracted
+    bound_s: float
 
     @property
     def step_s(self) -> float:
@@ -401,8 +408,10 @@ def probe_bytes(model: PreTrainedModel, cap: int = 256 * 2**20) -> int:
 class DecodeSweep:
     """Decode steps timed in rounds beside the ceilings and the fixed overhead they are predicted from."""
 
-    hw: Measurement  # bandwidth: the fastest probe copy over the whole sweep
-    overhead: StepOverhead  # hollow-twin steps, a few in every round
+    # Bandwidth: the fastest probe copy over the whole sweep
+    hw: Measurement
+    # Hollow-twin steps, a few in every round
+    overhead: StepOverhead
     rows: tuple[DecodeComparison, ...]
     config: PretrainedConfig = field(repr=False)
     dtype: torch.dtype
@@ -573,7 +582,8 @@ class PrefillSweep:
     """Prefills of every prompt length and single-token decode steps at the shortest, timed in rounds."""
 
     prefills: tuple[StepTiming, ...]
-    step: StepTiming  # decode steps at the shortest prompt's length
+    # Decode steps at the shortest prompt's length
+    step: StepTiming
 
     @property
     def prompt_lens(self) -> list[int]:
