@@ -2,7 +2,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.block_manager import NULL_BLOCK, BlockAllocator, BlockManager, ContiguousBlockManager
+from kvlab.block_manager import (
+    NULL_BLOCK,
+    BlockAllocator,
+    BlockManager,
+    ContiguousBlockManager,
+    blocks_per_request,
+    longest_request,
+)
 from kvlab.metrics import PrefixCacheStats
 from kvlab.sequence import Sequence
 
@@ -223,3 +230,26 @@ def test_sliding_group_frees_behind_the_window_and_hits_on_the_window_only():
     other = Sequence(list(range(10, 22)) + [99])
     tables = bm.cached_tables(other)
     assert tables[0][:4] == [NULL_BLOCK] * 4 and len(tables[0]) == 6
+
+
+@pytest.mark.parametrize("windows", [[None], [None, 8], [8, 8], [None, None]])
+def test_longest_request_is_the_longest_whole_block_count_that_fits(windows):
+    """The bisection finds what a block-by-block search finds: the most whole blocks whose request fits."""
+    bs, chunk = 4, 16
+    for num_blocks in range(1, 40):
+        for limit in (7, 64, 1000):
+            expected = limit
+            if blocks_per_request(windows, bs, chunk, limit) > num_blocks:
+                k = 0
+                while blocks_per_request(windows, bs, chunk, (k + 1) * bs) <= num_blocks:
+                    k += 1
+                expected = k * bs
+            assert longest_request(windows, num_blocks, bs, chunk, limit) == expected
+
+
+def test_max_concurrency_counts_a_sliding_group_at_its_window():
+    full = BlockManager(64, 4)
+    assert full.max_concurrency(32, 16) == 64 / 8
+    hybrid = BlockManager(64, 4, windows=[None, 8])
+    # The sliding group holds cdiv(8 - 1 + 16, 4) + 1 = 7 blocks however long the request grows.
+    assert hybrid.max_concurrency(32, 16) == 64 / (8 + 7)

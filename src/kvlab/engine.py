@@ -6,12 +6,9 @@ requests and records a `kvlab.metrics.StepStats` row (`Scheduler.postprocess`); 
 the `ModelRunner` (`kvlab.model_runner`: the KV pool, the model through the paged attention, sampling) or a
 `kvlab.cost_runner.CostRunner` (no model, a step cost: the simulator of `kvlab.simulate`). `LLMEngine` is the one
 loop between them. Greedy outputs equal `model.generate`'s in fp32 (the tests prove it, with preemption and
-prefix caching too). What the parts count is read from them (`engine.scheduler.num_preemptions`,
-`engine.block_manager.prefix_cache_stats`, `engine.pool`: the runner's KV pool).
-
-Prompts are token ids or vLLM's `{"prompt_token_ids": [...], "cache_salt": "..."}` (`kvlab.sequence.Prompt`).
-At startup the engine logs its memory budget (`kvlab.budget.MemoryBudget`, when it sizes the pool) and its
-effective configuration beside vLLM v1's defaults (`EngineConfig.table()`).
+prefix caching too). The parts report what they count (`engine.scheduler.num_preemptions`,
+`engine.block_manager.prefix_cache_stats`; `engine.pool` is the runner's KV pool). At startup the engine logs
+its memory budget (`kvlab.budget.MemoryBudget`) and its configuration beside vLLM v1's (`EngineConfig.table()`).
 """
 
 from __future__ import annotations
@@ -111,12 +108,9 @@ class LLMEngine:
         arrival_time: float | None = None,
         request_id: str | None = None,
     ) -> Seq:
-        """Queue a request; `arrival_time` (clock seconds) may lie in the future, for trace replay.
-
-        `prompt` is token ids or `{"prompt_token_ids": [...], "cache_salt": "..."}`. A prompt that can never fit
-        (not shorter than `max_model_len`, which the pool bounds) finishes at once with `finish_reason="error"`
-        instead of waiting forever.
-        """
+        """Queue a request; `arrival_time` (clock seconds) may lie in the future, for trace replay. A prompt
+        that can never fit (not shorter than `max_model_len`, which the pool bounds) finishes at once with
+        `finish_reason="error"` instead of waiting forever."""
         token_ids, salt = parse_prompt(prompt)
         arrival = self.clock.now() if arrival_time is None else arrival_time
         seq = Seq(token_ids, params or SamplingParams(), arrival, request_id, cache_salt=salt)
@@ -185,11 +179,13 @@ class LLMEngine:
         seqs = [self.add_request(p, sp) for p, sp in zip(prompts, per_prompt, strict=True)]
         return self.run_until_done(seqs)
 
-    def replay(self, trace: Iterable[TraceRequest], logprobs: int | None = None) -> list[RequestOutput]:
-        """Replay a trace: each request arrives at its `arrival_time` after now; outputs in trace order (with
-        each position's `logprobs` best token ids in `top_token_ids` when given)."""
-        start = self.clock.now()
-        seqs = [
+    def add_trace(
+        self, trace: Iterable[TraceRequest], logprobs: int | None = None, start: float | None = None
+    ) -> list[Seq]:
+        """Queue a trace: each request arrives at its `arrival_time` after `start` (default: now), ignores eos
+        and keeps each position's `logprobs` best token ids when given."""
+        start = self.clock.now() if start is None else start
+        return [
             self.add_request(
                 r.prompt_token_ids,
                 SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, logprobs=logprobs),
@@ -197,4 +193,7 @@ class LLMEngine:
             )
             for r in trace
         ]
-        return self.run_until_done(seqs)
+
+    def replay(self, trace: Iterable[TraceRequest], logprobs: int | None = None) -> list[RequestOutput]:
+        """Replay a trace from now (`add_trace`); outputs in trace order."""
+        return self.run_until_done(self.add_trace(trace, logprobs))

@@ -410,14 +410,7 @@ def record_engine_steps(
     trace = list(trace)
     _check_trace(trace)
     start = timer.now()
-    seqs = [
-        engine.add_request(
-            r.prompt_token_ids,
-            SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, logprobs=logprobs),
-            arrival_time=start + r.arrival_time,
-        )
-        for r in trace
-    ]
+    seqs = engine.add_trace(trace, logprobs, start)
     # (batched tokens, Σ context after, sequences, prefill seqs) of each batch that ran
     batches: list[tuple[int, int, int, int]] = []
 
