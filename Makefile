@@ -127,8 +127,8 @@ fork:
 clean:
 	rm -rf _build
 
-## make colab: the Colab proof. A clean venv (.venv-colab) with torch 2.13.0 (CPU), `pip install .`, the labs'
-## own extra installs and a kernel, nothing else; every lab executed there with nbclient (GPU hidden).
+## make colab: the Colab proof. A clean venv (.venv-colab) with torch 2.13.0 (CPU), kvlab's wheel (`python -m
+## build --wheel`, `pip install kvlab-*.whl`), the labs' own extra installs and a kernel, nothing else; every lab executed there with nbclient (GPU hidden).
 ## COLAB_ARGS=--nbval runs nbval there instead (the same execution, stored outputs compared).
 colab:
 	python3 tools/colab_venv.py --jobs 2 $(COLAB_ARGS)

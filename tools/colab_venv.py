@@ -3,10 +3,13 @@
 python tools/colab_venv.py [--venv .venv-colab] [--jobs 2] [--out _build/colab] [LAB ...]
 
 1. A fresh venv (rebuilt when pyproject.toml or requirements.txt change): torch 2.13.0 first (the CPU wheel the
-   repository pins, never a CUDA one; Colab brings its own torch), then `pip install .` (not editable), then
-   the extra `--no-deps` installs the labs' own install cells run (labs 10 and 11), then a kernel
-   (ipykernel) and nbclient. Versions are held to requirements.txt with `-c`, so the venv has the same
-   versions as the development venv, but only the packages `pip install .` pulls in.
+   repository pins, never a CUDA one; Colab brings its own torch), then kvlab's wheel, built from this tree
+   with `python -m build --wheel` and installed alone with the dependencies it declares from the package
+   index (`pip install kvlab-*.whl`: what a reader without GitHub installs), then the extra `--no-deps`
+   installs the labs' own install cells run (labs 10 and 11), then a kernel (ipykernel) and nbclient.
+   Versions are held to requirements.txt with `-c`, so the venv has the same versions as the development
+   venv, but only the packages the wheel pulls in. An up-to-date venv gets a freshly built wheel of kvlab on
+   every run (`--no-deps --force-reinstall`), so the labs always run the tree's kvlab.
 2. Every lab (or the LABs given) is executed there with nbclient, GPU hidden, in its own folder, `--jobs` at a
    time; each executed copy goes to OUT/<chapter>/lab.ipynb (the labs in book/ are not touched). Any error
    in any cell fails the run, naming the lab and the cell's error.
@@ -20,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -106,8 +111,19 @@ def pip(venv: Path, *args: str) -> None:
     subprocess.run(cmd, check=True, cwd=ROOT)
 
 
+def build_wheel(out: Path) -> Path:
+    """kvlab's wheel from this tree (`python -m build --wheel`, with the development venv's `build` when this
+    Python has none: `make` runs this script with the system python3)."""
+    python = sys.executable if importlib.util.find_spec("build") else str(ROOT / ".venv" / "bin" / "python")
+    cmd = [python, "-m", "build", "--wheel", "--outdir", str(out)]
+    print("+ " + shlex.join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    (wheel,) = out.glob("kvlab-*.whl")
+    return wheel
+
+
 def build(venv: Path) -> float:
-    """Create the clean venv unless it is up to date; the seconds it took."""
+    """Create the clean venv unless it is up to date, and install this tree's kvlab wheel; the seconds it took."""
     key = hashlib.sha256(
         b"".join((ROOT / f).read_bytes() for f in ("pyproject.toml", "requirements.txt"))
         + json.dumps(extra_installs(labs())).encode()
@@ -115,13 +131,16 @@ def build(venv: Path) -> float:
         + " ".join(KERNEL_PACKAGES + NBVAL_PACKAGES).encode()
     ).hexdigest()
     stamp = venv / STAMP
-    if stamp.is_file() and stamp.read_text() == key:
-        return 0.0
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
     constraints = ["-c", str(ROOT / "requirements.txt")]
-    pip(venv, TORCH)
-    pip(venv, ".", *constraints)
+    with tempfile.TemporaryDirectory(prefix="kvlab-wheel-") as dist:
+        wheel = build_wheel(Path(dist))
+        if stamp.is_file() and stamp.read_text() == key:
+            pip(venv, "--no-deps", "--force-reinstall", str(wheel))
+            return 0.0
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        pip(venv, TORCH)
+        pip(venv, str(wheel), *constraints)
     for packages in extra_installs(labs()):
         pip(venv, "--no-deps", *packages)
     pip(venv, *KERNEL_PACKAGES, *NBVAL_PACKAGES, *constraints)
@@ -204,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         sys.exit(f"no such lab: {', '.join(missing)}")
     built = build(args.venv.resolve())
-    state = f"built in {built:.0f} s" if built else "up to date"
+    state = f"built in {built:.0f} s" if built else "up to date (this tree's kvlab wheel reinstalled)"
     print(f"clean venv {args.venv}: {state}", flush=True)
     start = time.perf_counter()
     if args.nbval:
