@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from kvlab import cli
+from kvlab import budget, cli
 
 
 def test_size_report(capsys):
@@ -47,7 +47,7 @@ def test_budget_lines_for_the_issue_example():
 
 
 def test_does_not_fit():
-    text = cli.size_report("meta-llama/Llama-3.1-70B", 131072, 64, "bf16", "bf16", "L4")
+    text = cli.size_report("meta-llama/Llama-3.1-70B", 131072, 64, gpu="L4")
     assert "does NOT fit" in text
 
 
@@ -96,7 +96,7 @@ def test_size_per_gpu_with_tp_and_pp(capsys):
 
 
 def test_size_reports_kv_head_copies():
-    text = cli.size_report("meta-llama/Llama-3.1-8B", 4096, 1, tp=16)
+    text = cli.size_report("meta-llama/Llama-3.1-8B", 4096, 1, budget.BudgetSettings(tp=16), per_gpu=True)
     assert "copied on 2 GPUs" in text
 
 

@@ -1,29 +1,32 @@
 """kvlab.diagnose: hand-worked workloads, each lever of the book's order, and every error path."""
 
+import dataclasses
 import math
 
 import pytest
 
 from kvlab import budget, roofline
-from kvlab.diagnose import (
-    Workload,
-    WorkloadError,
-    concurrency,
-    diagnose,
-    load_workload,
-    workload_from_dict,
-)
+from kvlab import diagnose as D
+from kvlab.diagnose import as_dict, concurrency, deployment_from_dict, diagnose, load_deployment
+from kvlab.workloads import Workload, WorkloadError
 
 LLAMA = "meta-llama/Llama-3.1-8B"
 
 
-def first(w):
-    lever = diagnose(w).first
+def Deployment(model, gpu, mean_input, mean_output, **fields):
+    """A deployment from the flat fields of a workload file."""
+    return deployment_from_dict(
+        dict(model=model, gpu=gpu, mean_input=mean_input, mean_output=mean_output) | fields
+    )
+
+
+def first(d):
+    lever = diagnose(d).first
     return None if lever is None else lever.step
 
 
 def test_chat_with_the_models_max_len_starts_with_context_statistics():
-    w = Workload(LLAMA, "H100-SXM", 160, 340, concurrency=48)
+    w = Deployment(LLAMA, "H100-SXM", 160, 340, concurrency=48)
     d = diagnose(w)
     pool = budget.memory_budget(LLAMA, "H100-SXM").max_tokens()
     lever = d.first
@@ -35,11 +38,11 @@ def test_chat_with_the_models_max_len_starts_with_context_statistics():
 
 
 def test_same_chat_with_max_model_len_set_needs_nothing():
-    assert first(Workload(LLAMA, "H100-SXM", 160, 340, concurrency=48, max_model_len=4096)) is None
+    assert first(Deployment(LLAMA, "H100-SXM", 160, 340, concurrency=48, max_model_len=4096)) is None
 
 
 def test_mha_model_over_its_pool_fires_active_tokens_then_attention_and_precision():
-    w = Workload("meta-llama/Llama-2-7b-hf", "A100-80GB", 2000, 500, concurrency=64, max_model_len=4096)
+    w = Deployment("meta-llama/Llama-2-7b-hf", "A100-80GB", 2000, 500, concurrency=64, max_model_len=4096)
     d = diagnose(w)
     pool = budget.memory_budget(w.model, w.gpu).max_tokens()
     resident = 64 * (2000 + 250)
@@ -66,15 +69,15 @@ def test_shared_system_prompt_fires_prefix_reuse_until_caching_is_on():
         prefix_fraction=0.9,
         prefix_len=2000,
     )
-    lever = diagnose(Workload(**rag)).first
+    lever = diagnose(deployment_from_dict(rag)).first
     assert lever is not None and lever.step == 5
     assert lever.numbers["share"] == pytest.approx(0.9 * 2000 / 3000)
     assert lever.vllm == "--enable-prefix-caching" and "--schedule-policy lpm" in lever.sglang
-    assert first(Workload(**rag, prefix_caching=True)) is None
+    assert first(deployment_from_dict(rag | {"prefix_caching": True})) is None
 
 
 def test_contiguous_reservations_fire_paging():
-    w = Workload(
+    w = Deployment(
         LLAMA,
         "H100-SXM",
         200,
@@ -89,18 +92,18 @@ def test_contiguous_reservations_fire_paging():
     lever = diagnose(w).first
     assert lever is not None and lever.step == 6
     assert lever.numbers["fragmentation"] == pytest.approx((2048 - 299.5) / 2048)
-    assert first(Workload(**{**w.__dict__, "paged": True})) is None  # the same load, paged, fits
+    assert first(deployment_from_dict(as_dict(w) | {"paged": True})) is None  # the same load, paged, fits
 
 
 def test_max_num_seqs_below_the_load_fires_batching():
-    w = Workload(LLAMA, "H100-SXM", 20, 60, concurrency=400, max_model_len=1024, max_num_seqs=128)
+    w = Deployment(LLAMA, "H100-SXM", 20, 60, concurrency=400, max_model_len=1024, max_num_seqs=128)
     lever = diagnose(w).first
     assert lever is not None and lever.step == 7
     assert lever.vllm.startswith("--max-num-seqs 400")
 
 
 def test_agentic_long_context_fires_true_capacity():
-    w = Workload(
+    w = Deployment(
         LLAMA,
         "H100-SXM",
         100_000,
@@ -117,14 +120,14 @@ def test_agentic_long_context_fires_true_capacity():
 
 
 def test_a_model_that_does_not_fit_goes_to_topology_first():
-    d = diagnose(Workload("meta-llama/Llama-3.1-70B", "H100-SXM", 500, 300, concurrency=16))
+    d = diagnose(Deployment("meta-llama/Llama-3.1-70B", "H100-SXM", 500, 300, concurrency=16))
     assert d.first is not None and d.first.step == 9 and d.first.numbers["tp_fit"] == 2
     assert [lever.step for lever in d.levers if lever.applies] == [9]
     assert budget.memory_budget("meta-llama/Llama-3.1-70B", "H100-SXM", tp=2).fits
 
 
 def test_rate_becomes_requests_in_flight_by_littles_law():
-    w = Workload(LLAMA, "H100-SXM", 160, 340, rate=10.0)
+    w = Deployment(LLAMA, "H100-SXM", 160, 340, rate=10.0)
     c = concurrency(w)
     step = roofline.decode_step_time(LLAMA, "H100-SXM", math.ceil(c), 330, "bf16", "bf16", realistic=True)
     prefill = roofline.prefill_time(LLAMA, "H100-SXM", 1, 160, "bf16", "bf16", realistic=True)
@@ -132,7 +135,7 @@ def test_rate_becomes_requests_in_flight_by_littles_law():
 
 
 def test_report_names_the_first_lever_and_both_engines():
-    text = diagnose(Workload(LLAMA, "H100-SXM", 160, 340, concurrency=48)).report()
+    text = diagnose(Deployment(LLAMA, "H100-SXM", 160, 340, concurrency=48)).report()
     assert "start with: 1. context and output statistics" in text
     assert "docs.vllm.ai" in text and "docs.sglang.io" in text
 
@@ -155,49 +158,131 @@ def test_report_names_the_first_lever_and_both_engines():
 def test_bad_workloads_are_one_line_errors(changes, message):
     data = dict(model=LLAMA, gpu="H100-SXM", mean_input=100, mean_output=100, concurrency=8) | changes
     with pytest.raises(WorkloadError, match=message) as err:
-        workload_from_dict(data)
+        deployment_from_dict(data)
     assert "\n" not in str(err.value)
 
 
 def test_dict_errors():
     with pytest.raises(WorkloadError, match="empty"):
-        workload_from_dict({})
+        deployment_from_dict({})
     with pytest.raises(WorkloadError, match="unknown field 'colour'"):
-        workload_from_dict(
+        deployment_from_dict(
             dict(model=LLAMA, gpu="H100-SXM", mean_input=1, mean_output=1, concurrency=1, colour=1)
         )
     with pytest.raises(WorkloadError, match="missing gpu"):
-        workload_from_dict(dict(model=LLAMA, mean_input=1, mean_output=1, concurrency=1))
+        deployment_from_dict(dict(model=LLAMA, mean_input=1, mean_output=1, concurrency=1))
 
 
 def test_files(tmp_path):
     good = "model: meta-llama/Llama-3.1-8B\ngpu: H100-SXM\nmean-input: 160\nmean_output: 340\nconcurrency: 48\nmax_model_len: 4k\n"
     (tmp_path / "w.yaml").write_text(good)
-    assert load_workload(tmp_path / "w.yaml").max_model_len == 4096
+    assert load_deployment(tmp_path / "w.yaml").max_model_len == 4096
     (tmp_path / "w.toml").write_text(
         'model = "meta-llama/Llama-3.1-8B"\ngpu = "H100-SXM"\nmean_input = 160\nmean_output = 340\nrate = 2.5\n'
     )
-    assert load_workload(tmp_path / "w.toml").rate == 2.5
+    assert load_deployment(tmp_path / "w.toml").workload.rate == 2.5
     with pytest.raises(WorkloadError, match="no workload file"):
-        load_workload(tmp_path / "missing.yaml")
+        load_deployment(tmp_path / "missing.yaml")
     (tmp_path / "w.txt").write_text(good)
     with pytest.raises(WorkloadError, match="expected a .yaml"):
-        load_workload(tmp_path / "w.txt")
+        load_deployment(tmp_path / "w.txt")
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(WorkloadError, match="not valid JSON"):
-        load_workload(tmp_path / "bad.json")
+        load_deployment(tmp_path / "bad.json")
     (tmp_path / "empty.yaml").write_text("")
     with pytest.raises(WorkloadError, match="empty"):
-        load_workload(tmp_path / "empty.yaml")
+        load_deployment(tmp_path / "empty.yaml")
 
 
 def test_resident_tokens_weight_requests_by_their_output_length():
-    w = Workload(LLAMA, "H100-SXM", 100, 50, concurrency=1)
+    w = Workload(100, 50, concurrency=1)
     assert w.mean_resident == 100 + (50 - 1) / 2  # p, p + 1, ..., p + n - 2 over n - 1 steps
     # Outputs of 25 and 75 tokens (mean 50, cv 0.5): the long one holds its slot three times as many steps.
     steps = [100 + k for n in (25, 75) for k in range(n - 1)]
     by_hand = sum(steps) / len(steps)
-    spread = Workload(LLAMA, "H100-SXM", 100, 50, concurrency=1, output_cv=0.5)
+    spread = Workload(100, 50, concurrency=1, output_cv=0.5)
     assert spread.mean_resident == pytest.approx(by_hand, rel=0.02)
     with pytest.raises(WorkloadError, match="output_cv"):
-        Workload(LLAMA, "H100-SXM", 100, 50, concurrency=1, output_cv=-1)
+        Workload(100, 50, concurrency=1, output_cv=-1)
+
+
+# --- each lever on its own: one function of a Situation, checked on a hand-set load --------------------------------
+
+
+def situation(in_flight, **fields):
+    """The situation of a Llama-3.1-8B deployment on an H100 (pool: 449,216 tokens) at a chosen load."""
+    d = Deployment(LLAMA, "H100-SXM", fields.pop("mean_input", 160), fields.pop("mean_output", 340), **fields)
+    s = D.situation(d)
+    return dataclasses.replace(s, in_flight=float(in_flight))
+
+
+POOL = budget.memory_budget(LLAMA, "H100-SXM").max_tokens()
+
+
+def test_the_levers_are_the_books_nine_steps_in_order():
+    s = situation(8, concurrency=8)
+    assert [lever(s).step for lever in D.LEVERS] == list(range(1, 10))
+    assert POOL == 449_216
+
+
+def test_context_statistics_fires_between_the_worst_case_and_the_typical_bound():
+    # 449,216 tokens: 3 requests of 131,072 (the worst case), 898 of 500 (the typical one).
+    assert D.context_statistics(situation(48, concurrency=48)).applies
+    assert not D.context_statistics(situation(2, concurrency=2)).applies  # the worst case covers 2
+    assert not D.context_statistics(situation(900, concurrency=900)).applies  # past what lengths allow
+
+
+def test_active_tokens_fire_when_the_resident_tokens_exceed_the_pool():
+    resident_per_request = 160 + (340 - 1) / 2
+    below, above = POOL // resident_per_request, POOL // resident_per_request + 1
+    assert not D.active_tokens(situation(below, concurrency=8)).applies
+    lever = D.active_tokens(situation(above, concurrency=8))
+    assert lever.applies and lever.numbers["fits_seqs"] == POOL // math.ceil(resident_per_request)
+
+
+def test_attention_type_fires_only_for_mha_over_its_pool():
+    gqa = D.attention_type(situation(10_000, concurrency=8))
+    assert not gqa.applies and gqa.why.startswith("GQA with 8 KV head(s)")
+    d = Deployment("meta-llama/Llama-2-7b-hf", "H100-SXM", 160, 340, concurrency=8)
+    mha = D.attention_type(dataclasses.replace(D.situation(d), in_flight=10_000.0))
+    assert mha.applies and mha.numbers["per_token"] == 4 * mha.numbers["gqa_per_token"]
+
+
+def test_kv_precision_fires_for_a_wide_cache_over_its_pool():
+    lever = D.kv_precision(situation(10_000, concurrency=8))
+    assert lever.applies and lever.numbers["fp8_pool"] > POOL
+    assert not D.kv_precision(situation(10_000, concurrency=8, kv_dtype="fp8")).applies
+
+
+def test_prefix_reuse_fires_from_a_quarter_of_the_prompt_shared():
+    assert D.prefix_reuse(situation(8, concurrency=8, prefix_fraction=0.5, prefix_len=80)).applies
+    assert not D.prefix_reuse(situation(8, concurrency=8, prefix_fraction=0.5, prefix_len=79)).applies
+    on = D.prefix_reuse(situation(8, concurrency=8, prefix_fraction=1.0, prefix_len=160, prefix_caching=True))
+    assert not on.applies and on.why == "prefix caching is on"
+
+
+def test_paging_fires_for_big_blocks_on_short_requests_that_fill_the_pool():
+    short = dict(mean_input=10, mean_output=10, concurrency=8, block_size=128)
+    lever = D.paging(situation(30_000, **short))
+    assert lever.applies and lever.numbers["fragmentation"] == pytest.approx(127 / 2 / 14.5)
+    assert not D.paging(situation(100, **short)).applies  # the waste does not bind
+
+
+def test_batching_fires_when_max_num_seqs_caps_a_load_the_pool_holds():
+    s = situation(400, concurrency=8, max_num_seqs=128)
+    lever = D.batching(s)
+    # 128 sampled rows leave a little more room than vLLM's 256: the pool is the deployment's own.
+    assert lever.applies and lever.numbers == {"room": s.pool // 330, "cap": 128} and s.pool > POOL
+    assert not D.batching(situation(100, concurrency=8, max_num_seqs=128)).applies
+
+
+def test_long_context_fires_from_a_quarter_of_the_pool_for_one_request():
+    assert D.long_context(situation(1, concurrency=1, max_input=100_000, max_output=20_000)).applies
+    assert not D.long_context(situation(1, concurrency=1)).applies  # 4 × 500 tokens
+
+
+def test_topology_fires_only_when_no_block_fits_and_names_the_smallest_tp():
+    assert not D.topology(situation(8, concurrency=8)).applies
+    d = Deployment("meta-llama/Llama-3.1-70B", "H100-SXM", 160, 340, concurrency=8)
+    lever = D.topology(D.situation(d))
+    assert lever.applies and lever.numbers["tp_fit"] == 2

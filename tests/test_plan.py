@@ -5,6 +5,7 @@ import pytest
 from kvlab import budget, roofline
 from kvlab import plan as P
 from kvlab import simulate as sim
+from kvlab.workloads import Workload, WorkloadError
 
 SMALL = dict(num_requests=40, mean_input=200, mean_output=40)
 
@@ -14,7 +15,7 @@ def test_budget_and_concurrency_come_from_the_one_budget_function():
         "meta-llama/Llama-3.1-8B",
         "H100-SXM",
         context=8192,
-        workload=P.Workload(rate=2.0, **SMALL),
+        workload=Workload(rate=2.0, **SMALL),
         targets=P.Targets(ttft_ms=500, itl_ms=50),
         dp=1,
     )
@@ -61,7 +62,7 @@ def test_closed_loop_concurrency_keeps_that_many_in_flight():
 def test_gpu_search_finds_the_smallest_count():
     kwargs = dict(
         context=4096,
-        workload=P.Workload(rate=60.0, num_requests=60, mean_input=300, mean_output=30),
+        workload=Workload(rate=60.0, num_requests=60, mean_input=300, mean_output=30),
         targets=P.Targets(ttft_ms=200, percentile=90),
     )
     p = P.plan("Qwen/Qwen2.5-7B", "L4", **kwargs)
@@ -77,8 +78,8 @@ def test_claim_17_same_memory_share_meets_one_target_and_misses_another():
     arrival rate and fail at a high one."""
     kw = dict(context=8192, dp=1, targets=P.Targets(ttft_ms=300, itl_ms=40, percentile=90))
     chat = dict(num_requests=120, mean_input=1000, mean_output=20)
-    low = P.plan("meta-llama/Llama-3.1-8B", "H100-SXM", workload=P.Workload(rate=1.0, **chat), **kw)
-    high = P.plan("meta-llama/Llama-3.1-8B", "H100-SXM", workload=P.Workload(rate=200.0, **chat), **kw)
+    low = P.plan("meta-llama/Llama-3.1-8B", "H100-SXM", workload=Workload(rate=1.0, **chat), **kw)
+    high = P.plan("meta-llama/Llama-3.1-8B", "H100-SXM", workload=Workload(rate=200.0, **chat), **kw)
     assert low.budget == high.budget
     assert low.meets_targets and not high.meets_targets
 
@@ -90,7 +91,7 @@ def test_claim_17_same_memory_share_meets_one_target_and_misses_another():
             lambda: P.plan(
                 "meta-llama/Llama-3.1-70B",
                 "H100-SXM",
-                workload=P.Workload(rate=1.0),
+                workload=Workload(rate=1.0),
                 targets=P.Targets(ttft_ms=500),
             ),
             "does not fit one H100-SXM at tp=1",
@@ -99,15 +100,15 @@ def test_claim_17_same_memory_share_meets_one_target_and_misses_another():
             lambda: P.plan(
                 "meta-llama/Llama-3.1-8B",
                 "H100-SXM",
-                workload=P.Workload(rate=1.0, **SMALL),
+                workload=Workload(rate=1.0, **SMALL),
                 targets=P.Targets(itl_ms=1),
             ),
             "no GPU count meets the targets",
         ),
-        (lambda: P.Workload(rate=1.0, num_requests=0), "workload is empty"),
-        (lambda: P.Workload(rate=-1.0), "arrival rate must be positive"),
-        (lambda: P.Workload(rate=1.0, concurrency=4), "exactly one"),
-        (lambda: P.Workload(rate=1.0, mean_input=0), "at least|>= 1"),
+        (lambda: Workload(rate=1.0, num_requests=0), "num_requests must be an integer >= 1"),
+        (lambda: Workload(rate=-1.0), "rate must be a positive number"),
+        (lambda: Workload(rate=1.0, concurrency=4), "exactly one"),
+        (lambda: Workload(rate=1.0, mean_input=0), "at least|>= 1"),
         (lambda: P.Targets(ttft_ms=-5), "positive"),
         (lambda: P.Targets(percentile=0), "percentile"),
     ],
@@ -123,8 +124,21 @@ def test_claim_17_same_memory_share_meets_one_target_and_misses_another():
     ],
 )
 def test_bad_input_says_why(call, message):
-    with pytest.raises(P.PlanError, match=message):
+    # A plan's own errors are PlanErrors, a workload's WorkloadErrors: both one-line ValueErrors.
+    with pytest.raises((P.PlanError, WorkloadError), match=message):
         call()
+
+
+def test_a_context_too_short_for_the_prefix_is_a_plan_error():
+    with pytest.raises(P.PlanError, match="context 256 leaves no room for output after a 200-token prefix"):
+        P.plan(
+            "meta-llama/Llama-3.1-8B",
+            "H100-SXM",
+            context=256,
+            workload=Workload(rate=1.0, prefix_fraction=1.0, prefix_len=200, **SMALL),
+            targets=P.Targets(ttft_ms=500),
+            dp=1,
+        )
 
 
 def test_no_count_up_to_the_limit():
@@ -133,7 +147,7 @@ def test_no_count_up_to_the_limit():
             "Qwen/Qwen2.5-7B",
             "L4",
             context=4096,
-            workload=P.Workload(rate=200.0, num_requests=60, mean_input=300, mean_output=30),
+            workload=Workload(rate=200.0, num_requests=60, mean_input=300, mean_output=30),
             targets=P.Targets(ttft_ms=200, percentile=90),
             max_gpus=2,
         )
@@ -171,18 +185,16 @@ def test_pp_step_passes_every_stage_and_hands_off_activations():
 
 
 def test_pp_plan_splits_the_pool_and_counts_its_gpus():
-    kw = dict(
-        context=8192, workload=P.Workload(rate=2.0, **SMALL), targets=P.Targets(ttft_ms=2000, itl_ms=200)
-    )
-    p = P.plan("meta-llama/Llama-3.1-70B", "H100-SXM", tp=2, pp=2, dp=1, **kw)
+    kw = dict(context=8192, workload=Workload(rate=2.0, **SMALL), targets=P.Targets(ttft_ms=2000, itl_ms=200))
+    p = P.plan("meta-llama/Llama-3.1-70B", "H100-SXM", settings=budget.BudgetSettings(tp=2, pp=2), dp=1, **kw)
     assert (p.num_gpus, p.engines) == (4, 2)
     mb = budget.memory_budget("meta-llama/Llama-3.1-70B", "H100-SXM", tp=2, pp=2)
     assert p.budget == mb
     assert "tp=2, pp=2" in p.report() and "links" in p.report() and p.link_ms > 0
     with pytest.raises(P.PlanError, match="pipeline-parallel size 33 exceeds"):
-        P.plan("meta-llama/Llama-3.1-8B", "H100-SXM", pp=33, dp=1, max_gpus=64, **kw)
+        P.plan("meta-llama/Llama-3.1-8B", "H100-SXM", settings=budget.BudgetSettings(pp=33), dp=1, **kw)
     with pytest.raises(P.PlanError, match="does not divide"):
-        P.plan("meta-llama/Llama-3.1-8B", "H100-SXM", tp=3, dp=1, **kw)
+        P.plan("meta-llama/Llama-3.1-8B", "H100-SXM", settings=budget.BudgetSettings(tp=3), dp=1, **kw)
 
 
 def test_cli_plan_with_tp_and_pp(capsys):

@@ -14,16 +14,17 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from huggingface_hub import is_offline_mode
-from transformers import AutoConfig, PretrainedConfig
-from transformers.cache_utils import get_layer_types_and_kwargs
-
+from kvlab.checks import check_count
 from kvlab.layers import FullAttention, LayerSpec, MLAttention, NoCache, SlidingWindowAttention
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class UnknownModelError(KeyError):
@@ -72,27 +73,68 @@ def config_path(name: str) -> Path:
 def get(name: str) -> PretrainedConfig:
     """A fresh config for `name`: a registry id, a local path or a Hub id, all through `AutoConfig.from_pretrained`.
 
-    The Hub is asked only when huggingface_hub is not in offline mode (`HF_HUB_OFFLINE`), with its own endpoint
-    (`HF_ENDPOINT`), proxies and timeouts (`HF_HUB_ETAG_TIMEOUT`).
+    The registry and a local path answer without a network. A Hub id is asked once (`HF_HUB_ETAG_TIMEOUT`, else
+    `HUB_TIMEOUT_S`; huggingface_hub's own endpoint and proxies), with no retries: a repository that does not
+    exist, or a Hub that cannot be reached, is one `UnknownModelError` line at once, unless a copy is in the
+    Hugging Face cache. With huggingface_hub offline (`HF_HUB_OFFLINE`) only that cache is read.
     """
     if not isinstance(name, str) or not name:
         raise UnknownModelError(f"a model name must be a non-empty string, got {name!r}")
     if name in _index():
         return copy.deepcopy(_published(name))
+    missing = None if Path(name).exists() else _hub_missing(name)
+    if missing is not None:
+        raise UnknownModelError(
+            f"unknown model {name!r}: it is not in the kvlab registry, not a local path, and {missing}. "
+            f"Known models: {', '.join(registry())}"
+        )
+    from transformers import AutoConfig
+
     try:
         return AutoConfig.from_pretrained(name)
     except Exception as err:
-        offline = " (huggingface_hub is offline: HF_HUB_OFFLINE is set)" if is_offline_mode() else ""
         raise UnknownModelError(
-            f"unknown model {name!r}: it is not in the kvlab registry and AutoConfig could not load it{offline}: "
-            f"{type(err).__name__}. Known models: {', '.join(registry())}"
+            f"unknown model {name!r}: AutoConfig could not load it ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}). Known models: {', '.join(registry())}"
         ) from None
+
+
+# Seconds the one Hub request of `get` may take when HF_HUB_ETAG_TIMEOUT is not set (huggingface_hub's own
+# default is 10 s, then five retries with backoff: 27 s before an error on a machine without network).
+HUB_TIMEOUT_S = 1.5
+
+
+def _hub_missing(name: str) -> str | None:
+    """None when the Hugging Face cache holds `name`'s config.json or the Hub serves it; else why not, for a
+    one-line error. One request, no retries; offline (`HF_HUB_OFFLINE`), the cache alone."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url, is_offline_mode, try_to_load_from_cache
+
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return None
+    except ValueError as err:
+        # huggingface_hub's HFValidationError: not of the form org/name.
+        return f"it is not a Hugging Face repository id ({str(err).splitlines()[0]})"
+    if is_offline_mode():
+        return "huggingface_hub is offline (HF_HUB_OFFLINE is set) with no cached copy"
+    timeout = float(os.environ.get("HF_HUB_ETAG_TIMEOUT", HUB_TIMEOUT_S))
+    try:
+        get_hf_file_metadata(hf_hub_url(name, "config.json"), timeout=timeout, retry_on_errors=False)
+    except Exception as err:
+        # huggingface_hub's errors carry the HTTP response; a transport error (no network) carries none.
+        response = getattr(err, "response", None)
+        if response is not None:
+            return f"the Hugging Face Hub does not serve its config.json (HTTP {response.status_code})"
+        return f"the Hugging Face Hub could not be reached ({type(err).__name__}) and no copy is cached"
+    return None
 
 
 @functools.cache
 def _published(name: str) -> PretrainedConfig:
     # Parsed once (from_pretrained costs milliseconds); `get` hands out deep copies that callers may edit.
     # An index entry's "defaults" fill what the published file leaves out (GPT-2 declares no dtype).
+    from transformers import AutoConfig
+
     config = AutoConfig.from_pretrained(config_path(name), **_index()[name].get("defaults", {}))
     config.name_or_path = name
     return config
@@ -150,11 +192,7 @@ class ArchSpec:
 
 
 def _positive(config: PretrainedConfig, field: str, value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise UnsupportedConfigError(
-            f"{type(config).__name__}.{field} must be a positive integer to size the cache, got {value!r}"
-        )
-    return value
+    return check_count(f"{type(config).__name__}.{field}", value, 1, UnsupportedConfigError)
 
 
 def _attention_shape(layer_config: PretrainedConfig) -> tuple[int, int, int]:
@@ -191,6 +229,8 @@ _NONE = {"dummy", "linear_attention", "conv", "mamba", "recurrent"}
 
 def describe(config: PretrainedConfig | str) -> ArchSpec:
     """Per-layer attention kind, KV heads and head dim of `config` (a config object or a registry name)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
     config = resolve(config)
     text = config.get_text_config(decoder=True)
     heads, _, _ = _attention_shape(text)

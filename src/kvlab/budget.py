@@ -25,20 +25,25 @@ figures and the engine's pool all come from it. Chapters: *Active tokens, not ba
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING
 
 from kvlab import hardware
-from kvlab.arch import describe, resolve
+from kvlab.checks import check_count
+from kvlab.shape import prepare, shape
 from kvlab.units import MiB, dtype_bytes, format_bytes, format_tokens
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization
 CUDA_CONTEXT_BYTES = 781 * MiB  # nvidia-smi after CUDA init in PyTorch (pytorch/pytorch#34323)
 MAX_NUM_BATCHED_TOKENS = 8192  # vLLM v1's default token budget per step for online serving
 MAX_NUM_SEQS = 256  # vLLM's default --max-num-seqs
 BLOCK_SIZE = 16  # vLLM's default --block-size on GPUs
+DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8")  # the weight and KV precisions `BudgetSettings` takes
 
 
 @dataclass(frozen=True)
@@ -59,13 +64,9 @@ class MemoryBudget:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name in ("capacity_bytes", "runtime_bytes", "weight_bytes", "activation_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+            check_count(name, getattr(self, name), 0)
         for name in ("block_size", "kv_bytes_per_token"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_count(name, getattr(self, name))
 
     @property
     def engine_cap_bytes(self) -> int:
@@ -108,9 +109,7 @@ class MemoryBudget:
 
     def blocks_per_sequence(self, context_len: int) -> int:
         """Blocks one sequence of `context_len` tokens holds (the last one partly empty)."""
-        if isinstance(context_len, bool) or not isinstance(context_len, int) or context_len < 1:
-            raise ValueError(f"context_len must be a positive integer, got {context_len!r}")
-        return -(-context_len // self.block_size)
+        return -(-check_count("context_len", context_len) // self.block_size)
 
     def max_sequences(self, context_len: int) -> int:
         """How many sequences of `context_len` tokens the pool holds at once, in whole blocks (a lower bound
@@ -181,17 +180,13 @@ def activation_workspace_bytes(
     with the model at hand measures the peak instead (`kvlab.engine`). The tests check it against a measured
     forward of real transformers models.
     """
-    for name, value in (("num_tokens", num_tokens), ("num_seqs", num_seqs)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    config = resolve(config)
-    text = config.get_text_config(decoder=True)
-    spec = describe(text)
-    hidden = text.hidden_size
-    width = getattr(text, "moe_intermediate_size", None) or text.intermediate_size
-    experts = getattr(text, "num_experts_per_tok", None) or 1
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp must be a positive integer, got {tp!r}")
+    check_count("num_tokens", num_tokens)
+    check_count("num_seqs", num_seqs)
+    model = shape(config)
+    spec, hidden, width, experts = model.spec, model.hidden_size, model.mlp_width, model.experts_per_token
+    if width is None:
+        raise ValueError(f"{spec.name}: the config sets no intermediate_size to size the MLP's activations")
+    check_count("tp", tp)
     mlp = 2 * hidden + 4 * -(-width * experts // tp)
     q = spec.num_attention_heads * spec.head_dim // tp
     kv = max(
@@ -200,7 +195,7 @@ def activation_workspace_bytes(
     )
     attention = 3 * hidden + q + kv
     per_token = (max(mlp, attention) + 2 * spec.head_dim) * dtype_bytes(dtype) + 8  # + int64 position id
-    logits = min(num_seqs, num_tokens) * text.vocab_size * 4
+    logits = min(num_seqs, num_tokens) * model.vocab_size * 4
     return num_tokens * per_token + logits
 
 
@@ -231,7 +226,7 @@ def memory_budget(
     from kvlab.sizing import kv_bytes_per_token, weight_bytes_per_gpu
 
     spec = hardware.get(gpu) if isinstance(gpu, str) else gpu
-    config = resolve(config)
+    config = prepare(config)
     act_dtype = weight_dtype if isinstance(weight_dtype, str) else "bf16"  # quantized weights compute in bf16
     return MemoryBudget(
         capacity_bytes=spec.memory_bytes,
@@ -256,3 +251,37 @@ def memory_budget(
             else "measured (profiled forward)"
         ),
     )
+
+
+@dataclass(frozen=True)
+class BudgetSettings:
+    """The engine settings a memory budget depends on, vLLM's names and defaults: what `kvlab size --gpu`,
+    `kvlab.plan` and `kvlab.diagnose` size the pool with, each keyword of `memory_budget` once."""
+
+    kv_dtype: str = "bf16"
+    weight_dtype: str | int = "bf16"
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = MAX_NUM_SEQS
+    block_size: int = BLOCK_SIZE
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "tp", "pp"):
+            check_count(name, getattr(self, name))
+        if (
+            not isinstance(self.gpu_memory_utilization, int | float)
+            or not 0 < self.gpu_memory_utilization <= 1
+        ):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.kv_dtype not in DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(DTYPES)}, got {self.kv_dtype!r}")
+        if self.weight_dtype not in DTYPES and not isinstance(self.weight_dtype, int):
+            raise ValueError(
+                f"weight_dtype must be one of {', '.join(DTYPES)} or a bit count, got {self.weight_dtype!r}"
+            )
+
+    def memory_budget(self, config: PretrainedConfig | str, gpu: str | hardware.Accelerator) -> MemoryBudget:
+        """`memory_budget` of `config` on `gpu` at these settings."""
+        return memory_budget(config, gpu, **dataclasses.asdict(self))

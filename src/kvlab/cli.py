@@ -7,10 +7,16 @@ latency targets (`kvlab.plan`, chapter *Capacity planning*)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from kvlab import arch, budget, hardware, sizing, sweep
+from kvlab import arch, budget, hardware, shape, sizing, sweep
 from kvlab.units import format_bytes, format_tokens, parse_tokens
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def _positive_int(text: str) -> int:
@@ -127,8 +133,8 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="latency of one TP all-reduce on top of its bytes over the link, e.g. 20us (default 0)",
     )
-    p.add_argument("--weight-dtype", default="bf16", choices=["fp32", "fp16", "bf16", "fp8", "int8"])
-    p.add_argument("--kv-dtype", default="bf16", choices=["fp32", "fp16", "bf16", "fp8", "int8"])
+    p.add_argument("--weight-dtype", default="bf16", choices=budget.DTYPES)
+    p.add_argument("--kv-dtype", default="bf16", choices=budget.DTYPES)
     p.add_argument("--max-num-seqs", type=_positive_int, default=budget.MAX_NUM_SEQS)
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=budget.MAX_NUM_BATCHED_TOKENS)
     p.add_argument("--block-size", type=_positive_int, default=budget.BLOCK_SIZE)
@@ -138,10 +144,13 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 def plan_report(args: argparse.Namespace) -> str:
     """The text `kvlab plan` prints (`kvlab.plan.plan`)."""
+    # An unknown model is one line before the planner (and torch) loads.
+    shape.prepare(args.model)
     from kvlab import plan
+    from kvlab.workloads import Workload
 
     targets = plan.Targets(args.ttft, args.itl, args.e2el, args.percentile)
-    workload = plan.Workload(
+    workload = Workload(
         mean_input=args.input_len,
         mean_output=args.output_len,
         rate=args.rate,
@@ -150,29 +159,29 @@ def plan_report(args: argparse.Namespace) -> str:
         prefix_fraction=args.prefix_fraction,
         prefix_len=args.prefix_len,
     )
-    engine = plan.Engine(
-        args.max_num_seqs,
-        args.max_num_batched_tokens,
-        args.block_size,
-        args.gpu_memory_utilization,
-        not args.no_prefix_caching,
-    )
     result = plan.plan(
         args.model,
         args.gpu,
         context=args.context,
         workload=workload,
         targets=targets,
-        tp=args.tp,
-        pp=args.pp,
+        settings=_settings(args),
+        enable_prefix_caching=not args.no_prefix_caching,
         dp=args.dp,
         max_gpus=args.max_gpus,
         allreduce_latency_s=args.allreduce_latency / 1e3,
-        weight_dtype=args.weight_dtype,
-        kv_dtype=args.kv_dtype,
-        engine=engine,
     )
     return result.report()
+
+
+def _settings(args: argparse.Namespace) -> budget.BudgetSettings:
+    """The budget settings of a `kvlab size` or `kvlab plan` command line (`size` has no --max-num-seqs)."""
+    weight_dtype = int(args.weight_dtype) if args.weight_dtype.isdigit() else args.weight_dtype
+    given = {name: getattr(args, name) for name in _SETTINGS if getattr(args, name, None) is not None}
+    return budget.BudgetSettings(**(given | {"weight_dtype": weight_dtype}))
+
+
+_SETTINGS = [f.name for f in dataclasses.fields(budget.BudgetSettings)]
 
 
 def _share(text: str) -> float:
@@ -199,36 +208,32 @@ def size_report(
     model: str,
     context: int,
     batch: int,
-    kv_dtype: str = "bf16",
-    weight_dtype: str = "bf16",
+    settings: budget.BudgetSettings | None = None,
     gpu: str | None = None,
-    gpu_memory_utilization: float = budget.GPU_MEMORY_UTILIZATION,
-    block_size: int = budget.BLOCK_SIZE,
-    max_num_batched_tokens: int = budget.MAX_NUM_BATCHED_TOKENS,
-    tp: int | None = None,
-    pp: int | None = None,
+    per_gpu: bool = False,
 ) -> str:
     """The text `kvlab size` prints; with `gpu`, the memory budget line by line (`kvlab.budget`).
 
-    With `tp` and/or `pp` (a parallel plan) every figure is what ONE GPU of the largest stage holds, and a plan
-    whose budget does not fit the GPU is an error naming the smallest tensor-parallel size that would.
+    With `per_gpu` (a parallel plan: `--tp` and/or `--pp` given) every figure is what ONE GPU of the largest
+    stage holds, and a plan whose budget does not fit the GPU is an error naming the smallest tensor-parallel
+    size that would.
     """
-    config = arch.get(model)
-    spec = arch.describe(config)
-    parallel = tp is not None or pp is not None
-    tp, pp = tp or 1, pp or 1
+    s = settings or budget.BudgetSettings()
+    tp, pp = s.tp, s.pp
+    # A registry name stays a name: its stored shape sizes it without torch or transformers (kvlab.shape).
+    config = shape.prepare(model)
+    spec = shape.shape(config).spec
     sizing.check_parallel(spec, tp, pp)
-    per_token = sizing.kv_bytes_per_token(config, kv_dtype, tp=tp, pp=pp)
-    per_seq = sizing.kv_cache_bytes(config, context, 1, kv_dtype, tp=tp, pp=pp)
+    per_token = sizing.kv_bytes_per_token(config, s.kv_dtype, tp=tp, pp=pp)
+    per_seq = sizing.kv_cache_bytes(config, context, 1, s.kv_dtype, tp=tp, pp=pp)
     total = per_seq * batch
-    weight_precision: str | int = int(weight_dtype) if weight_dtype.isdigit() else weight_dtype
-    weights = sizing.weight_bytes_per_gpu(config, weight_precision, tp=tp, pp=pp)
+    weights = sizing.weight_bytes_per_gpu(config, s.weight_dtype, tp=tp, pp=pp)
     kinds = ", ".join(f"{n} {k}" for k, n in spec.kinds.items())
     lines = [
         f"model        {model} ({spec.attention_type}, {spec.num_layers} layers: {kinds}; "
         f"kv_heads={spec.kv_heads}, head_dim={spec.head_dim})",
     ]
-    if parallel:
+    if per_gpu:
         copies = max(layer.replicas(tp) for layer in spec.layers)
         lines.append(
             f"per GPU      tp={tp}, pp={pp}: {tp * pp} GPUs; each keeps "
@@ -236,84 +241,58 @@ def size_report(
             + (f", every cached head copied on {copies} GPUs" if copies > 1 else "")
         )
     lines += [
-        f"KV per token {format_bytes(per_token)} ({per_token:,} B, {kv_dtype})",
+        f"KV per token {format_bytes(per_token)} ({per_token:,} B, {s.kv_dtype})",
         f"KV per seq   {format_bytes(per_seq)} at {format_tokens(context)} tokens",
-        f"KV total     {format_bytes(total)} for {batch} sequences",
-        f"weights      {format_bytes(weights)} ({weight_dtype})",
+        f"KV total     {format_bytes(total)} for {_sequences(batch)}",
+        f"weights      {format_bytes(weights)} ({s.weight_dtype})",
         f"weights + KV {format_bytes(weights + total)}",
     ]
     if gpu is not None:
-        plan = budget.memory_budget(
-            config,
-            gpu,
-            kv_dtype=kv_dtype,
-            weight_dtype=weight_precision,
-            gpu_memory_utilization=gpu_memory_utilization,
-            block_size=block_size,
-            max_num_batched_tokens=max_num_batched_tokens,
-            tp=tp,
-            pp=pp,
-        )
-        if parallel and not plan.fits:
-            raise ValueError(
-                _no_fit(config, model, gpu, tp, pp, weight_precision, gpu_memory_utilization, plan)
-            )
+        plan = s.memory_budget(config, gpu)
+        if per_gpu and not plan.fits:
+            raise ValueError(_no_fit(config, model, gpu, s, plan))
         seqs = plan.max_sequences(context) if plan.fits else 0
         verdict = "fits" if seqs >= batch else "does NOT fit"
         lines += [f"on {hardware.get(gpu).name}: the memory budget", *plan.lines(context)]
-        lines.append(f"  {batch} sequences of {format_tokens(context)} tokens: {verdict} (room for {seqs})")
+        lines.append(f"  {_sequences(batch)} of {format_tokens(context)} tokens: {verdict} (room for {seqs})")
     return "\n".join(lines)
 
 
+def _sequences(n: int) -> str:
+    return f"{n} sequence" if n == 1 else f"{n} sequences"
+
+
 def _no_fit(
-    config: object,
-    model: str,
-    gpu: str,
-    tp: int,
-    pp: int,
-    weight_precision: str | int,
-    gpu_memory_utilization: float,
-    plan: budget.MemoryBudget,
+    config: PretrainedConfig | str, model: str, gpu: str, s: budget.BudgetSettings, plan: budget.MemoryBudget
 ) -> str:
-    spec = arch.describe(config)  # type: ignore[arg-type]
+    spec = shape.shape(config).spec
     hint = "no tensor-parallel size up to 64 fits"
     for candidate in (2**k for k in range(7)):
-        if candidate <= tp:
+        if candidate <= s.tp:
             continue
         try:
-            sizing.check_parallel(spec, candidate, pp)
+            sizing.check_parallel(spec, candidate, s.pp)
         except ValueError:
             continue
-        other = budget.memory_budget(
-            config,  # type: ignore[arg-type]
-            gpu,
-            weight_dtype=weight_precision,
-            gpu_memory_utilization=gpu_memory_utilization,
-            tp=candidate,
-            pp=pp,
-        )
-        if other.fits:
+        if dataclasses.replace(s, tp=candidate).memory_budget(config, gpu).fits:
             hint = f"the smallest tensor-parallel size that fits is --tp {candidate}"
             break
     return (
-        f"{model} does not fit one {hardware.get(gpu).name} at tp={tp}, pp={pp}: "
+        f"{model} does not fit one {hardware.get(gpu).name} at tp={s.tp}, pp={s.pp}: "
         f"{format_bytes(plan.weight_bytes)} of weights per GPU, "
         f"{format_bytes(max(plan.kv_headroom_bytes + plan.weight_bytes, 0))} left for weights and cache; {hint}"
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvlab", description="Size the KV cache of an LLM deployment.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    size = sub.add_parser("size", help="KV cache and weight bytes for a model, context and batch")
+def _add_size_arguments(size: argparse.ArgumentParser) -> None:
     size.add_argument("model", help="a registry name (see `kvlab models`) or a Hugging Face id")
     size.add_argument("--context", type=_tokens, default=4096, help="tokens per sequence, e.g. 4096 or 32k")
     size.add_argument("--batch", type=_positive_int, default=1, help="concurrent sequences")
-    size.add_argument("--kv-dtype", default="bf16", choices=["fp32", "fp16", "bf16", "fp8", "int8"])
+    size.add_argument("--kv-dtype", default="bf16", choices=budget.DTYPES)
     size.add_argument(
         "--weight-dtype",
         default="bf16",
-        choices=["fp32", "fp16", "bf16", "fp8", "int8", "4"],
+        choices=[*budget.DTYPES, "4"],
         help="weight precision; 4 means 4-bit",
     )
     size.add_argument(
@@ -338,17 +317,40 @@ def main(argv: list[str] | None = None) -> int:
         "--tp", type=_positive_int, help="tensor-parallel GPUs: print what one GPU holds (vLLM's sharding)"
     )
     size.add_argument("--pp", type=_positive_int, help="pipeline stages: print the largest stage's GPU")
-    _add_plan_arguments(
-        sub.add_parser("plan", help="capacity plan against latency targets (modelled: kvlab.simulate)")
-    )
+
+
+def _add_diagnose_arguments(p: argparse.ArgumentParser) -> None:
     from kvlab import diagnose
 
-    diagnose.add_arguments(
-        sub.add_parser("diagnose", help="which KV-cache lever applies first to a workload, and why")
-    )
-    sub.add_parser("models", help="list the offline registry")
-    sweep.add_arguments(sub.add_parser("sweep", help="run a lab over a parameter grid; glued scalars to CSV"))
-    args = parser.parse_args(argv)
+    diagnose.add_arguments(p)
+
+
+# Subcommand: (its help line, what adds its arguments). Only the subcommand on the command line gets its
+# arguments, so `kvlab --help` imports nothing a subcommand needs.
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+    "size": ("KV cache and weight bytes for a model, context and batch", _add_size_arguments),
+    "plan": ("capacity plan against latency targets (modelled: kvlab.simulate)", _add_plan_arguments),
+    "diagnose": ("which KV-cache lever applies first to a workload, and why", _add_diagnose_arguments),
+    "models": ("list the offline registry", lambda p: None),
+    "sweep": ("run a lab over a parameter grid; glued scalars to CSV", sweep.add_arguments),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `kvlab` parser, with the arguments of `command` (None: the subcommands' names and help only)."""
+    parser = argparse.ArgumentParser(prog="kvlab", description="Size the KV cache of an LLM deployment.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_line, add) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_line)
+        if name == command:
+            add(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     try:
         if args.command == "sweep":
             return sweep.main(args)
@@ -357,25 +359,12 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "diagnose":
             from kvlab import diagnose
 
-            print(diagnose.diagnose(diagnose.workload_from_args(args)).report())
+            print(diagnose.diagnose(diagnose.deployment_from_args(args)).report())
         elif args.command == "plan":
             print(plan_report(args))
         else:
-            print(
-                size_report(
-                    args.model,
-                    args.context,
-                    args.batch,
-                    args.kv_dtype,
-                    args.weight_dtype,
-                    args.gpu,
-                    args.gpu_memory_utilization,
-                    args.block_size,
-                    args.max_num_batched_tokens,
-                    args.tp,
-                    args.pp,
-                )
-            )
+            per_gpu = args.tp is not None or args.pp is not None
+            print(size_report(args.model, args.context, args.batch, _settings(args), args.gpu, per_gpu))
     except (arch.UnknownModelError, arch.UnsupportedConfigError, ValueError) as err:
         print(f"kvlab: error: {err}", file=sys.stderr)
         return 2

@@ -1,4 +1,7 @@
-"""Which device a lab runs on, and a provenance line for every recorded result."""
+"""Which device a lab runs on, and a provenance line for every recorded result.
+
+torch is imported when a function needs it, not with the module: `import kvlab` and the CLI stay fast.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +9,16 @@ import datetime as _dt
 import os
 import platform
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def pick_device(device: str | torch.device | None = None) -> torch.device:
     """`device` if given, else cuda when available, else cpu."""
+    import torch
+
     if device is not None:
         return torch.device(device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -20,6 +27,8 @@ def pick_device(device: str | torch.device | None = None) -> torch.device:
 def compute_dtype(device: str | torch.device | None = None) -> torch.dtype:
     """The dtype a lab computes in on `device`: fp32 on CPU; bf16 on GPUs with bf16 tensor cores (compute
     capability 8.0 and up: A100, L4, H100, ...); fp16 on older GPUs such as the T4 (7.5), which has none."""
+    import torch
+
     device = pick_device(device)
     if device.type != "cuda":
         return torch.float32
@@ -28,6 +37,8 @@ def compute_dtype(device: str | torch.device | None = None) -> torch.dtype:
 
 
 def device_name(device: str | torch.device | None = None) -> str:
+    import torch
+
     device = pick_device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -58,9 +69,10 @@ def env_report(device: str | torch.device | None = None) -> dict[str, str]:
     """What wrote a result: the machine (CPU model and torch's CPU kernels, or the GPU with its compute
     capability, driver and CUDA), the thread count, the load when the lab started, the library versions and
     the date. Stored outputs differ from machine to machine in their last digits; this says which wrote them."""
+    import torch
     import transformers
 
-    import kvlab
+    from kvlab.version import __version__
 
     device = pick_device(device)
     load = load_average()
@@ -73,7 +85,7 @@ def env_report(device: str | torch.device | None = None) -> dict[str, str]:
         "load_average": "unknown" if load is None else f"{load:.2f}",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "kvlab": kvlab.__version__,
+        "kvlab": __version__,
         "python": platform.python_version(),
         "date": _dt.date.today().isoformat(),
     }

@@ -19,18 +19,19 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
-import torch
-
+from kvlab.checks import check_count
 from kvlab.units import dtype_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 LayerKind = Literal["full", "sliding", "mla", "none"]
 
 
 def _check_tp(tp: int) -> None:
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tensor-parallel size must be an integer >= 1, got {tp!r}")
+    check_count("tensor-parallel size", tp)
 
 
 @dataclass(frozen=True)
@@ -159,9 +160,8 @@ class SlidingWindowAttention(FullAttention):
     window: int  # attention window in tokens, the query included
 
     def __post_init__(self) -> None:
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 2:
-            # transformers slices [-window + 1:], which keeps everything when window == 1.
-            raise ValueError(f"a sliding window must be an integer >= 2, got {self.window!r}")
+        # transformers slices [-window + 1:], which keeps everything when window == 1.
+        check_count("a sliding window", self.window, 2)
 
     @property
     def max_cached_tokens(self) -> int:

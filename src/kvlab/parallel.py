@@ -45,6 +45,7 @@ from torch import nn
 
 from kvlab import sizing
 from kvlab.arch import describe, resolve
+from kvlab.checks import check_count
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 LAST_PIDS: list[int] = []  # the ranks `run_distributed` started last (tests check none outlives it)
@@ -205,8 +206,8 @@ def placement(
 ) -> Placement:
     """Per-GPU weights and KV of a plan (modelled with `kvlab.sizing`; DP replicas split the `batch` sequences
     between them, rounding up, and each holds the whole model)."""
-    sizing.check_count("dp", dp)
-    sizing.check_count("batch", batch)
+    check_count("dp", dp)
+    check_count("batch", batch)
     config = resolve(config)
     spec = describe(config)
     per_replica = -(-batch // dp)
@@ -477,7 +478,7 @@ def run_distributed(
         ("prompt_len", prompt_len),
         ("batch", batch),
     ):
-        sizing.check_count(name, value)
+        check_count(name, value)
     world = tp * pp
     if world_size is not None and world_size != world:
         raise ValueError(f"world size {world_size} does not match tp × pp = {tp} × {pp} = {world}")

@@ -37,7 +37,7 @@ from kvlab import budget, hardware, roofline, sizing
 from kvlab.arch import describe, resolve
 from kvlab.metrics import SLO, RequestMetrics
 from kvlab.simulate import SimulationResult, simulate
-from kvlab.workloads import LengthProfile, TraceRequest, synthetic_trace
+from kvlab.workloads import TraceRequest, Workload, WorkloadError
 
 
 class PlanError(ValueError):
@@ -72,66 +72,6 @@ class Targets:
 
     def met(self, requests: Sequence[RequestMetrics]) -> bool:
         return self.attainment(requests) >= self.percentile / 100 - 1e-12
-
-
-@dataclass(frozen=True)
-class Workload:
-    """Mean prompt and output lengths (lognormal, as `kvlab.workloads`), an arrival rate (requests/s) or a fixed
-    concurrency (closed loop), and a share of requests starting with one shared prefix of `prefix_len` tokens."""
-
-    mean_input: float = 161.31  # ShareGPT, PagedAttention paper (arXiv:2309.06180) §6.1
-    mean_output: float = 337.99
-    sigma: float = 0.9
-    rate: float | None = None
-    concurrency: int | None = None
-    num_requests: int = 300
-    prefix_fraction: float = 0.0
-    prefix_len: int = 0
-    max_input_len: int | None = None
-    max_output_len: int | None = None
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.num_requests < 1:
-            raise PlanError(f"the workload is empty: num_requests must be >= 1, got {self.num_requests}")
-        if not (self.mean_input >= 1 and self.mean_output >= 1):
-            raise PlanError(
-                f"mean input and output lengths must be >= 1 token, got {self.mean_input}, {self.mean_output}"
-            )
-        if (self.rate is None) == (self.concurrency is None):
-            raise PlanError("give exactly one of an arrival rate (requests/s) or a concurrency")
-        if self.rate is not None and not self.rate > 0:
-            raise PlanError(f"the arrival rate must be positive, got {self.rate!r}")
-        if self.concurrency is not None and self.concurrency < 1:
-            raise PlanError(f"concurrency must be >= 1, got {self.concurrency!r}")
-        if not 0 <= self.prefix_fraction <= 1 or self.prefix_len < 0:
-            raise PlanError("prefix_fraction must be in [0, 1] and prefix_len >= 0")
-
-    def trace(self, rate: float | None = None, vocab_size: int = 32000) -> list[TraceRequest]:
-        """A seeded trace of this workload at `rate` requests/s (None: all at t=0, for a closed loop)."""
-        profile = LengthProfile("plan", self.mean_input, self.mean_output, self.sigma)
-        return synthetic_trace(
-            self.num_requests,
-            profile,
-            request_rate=math.inf if rate is None else float(rate),
-            vocab_size=vocab_size,
-            seed=self.seed,
-            shared_prefix_len=self.prefix_len,
-            shared_prefix_fraction=self.prefix_fraction,
-            max_input_len=self.max_input_len,
-            max_output_len=self.max_output_len,
-        )
-
-
-@dataclass(frozen=True)
-class Engine:
-    """The engine knobs a plan needs (vLLM's names and defaults, `kvlab.budget`)."""
-
-    max_num_seqs: int = budget.MAX_NUM_SEQS
-    max_num_batched_tokens: int = budget.MAX_NUM_BATCHED_TOKENS
-    block_size: int = budget.BLOCK_SIZE
-    gpu_memory_utilization: float = budget.GPU_MEMORY_UTILIZATION
-    enable_prefix_caching: bool = True
 
 
 class RooflineStepCost:
@@ -329,20 +269,22 @@ def plan(
     context: int = 8192,
     workload: Workload,
     targets: Targets,
-    tp: int = 1,
-    pp: int = 1,
+    settings: budget.BudgetSettings | None = None,
+    enable_prefix_caching: bool = True,
     dp: int | None = None,
     max_gpus: int = 64,
-    weight_dtype: str = "bf16",
-    kv_dtype: str = "bf16",
-    engine: Engine | None = None,
     realism: roofline.Realism | None = None,
     allreduce_latency_s: float = 0.0,
 ) -> Plan:
-    """Plan `model` on `gpu` (see the module docstring). `dp=None` searches the smallest data-parallel count
-    (up to `max_gpus` GPUs in all, tp × pp per replica) meeting `targets` at the workload's rate; a given `dp`
-    is evaluated as is."""
-    engine = engine or Engine()
+    """Plan `model` on `gpu` (see the module docstring) at `settings` (vLLM's defaults when None: their tp and
+    pp, dtypes and engine limits). `dp=None` searches the smallest data-parallel count (up to `max_gpus` GPUs in
+    all, tp × pp per replica) meeting `targets` at the workload's rate; a given `dp` is evaluated as is."""
+    settings = settings or budget.BudgetSettings()
+    tp, pp, weight_dtype, kv_dtype = settings.tp, settings.pp, settings.weight_dtype, settings.kv_dtype
+    if not isinstance(weight_dtype, str):
+        raise PlanError(
+            f"the step-cost model needs a weight dtype ({', '.join(budget.DTYPES)}), got {weight_dtype!r}"
+        )
     acc = hardware.get(gpu) if isinstance(gpu, str) else gpu
     config = resolve(model)
     if context < 2:
@@ -356,18 +298,7 @@ def plan(
         sizing.check_parallel(describe(config), tp, pp)
     except ValueError as err:
         raise PlanError(str(err)) from None
-    mb = budget.memory_budget(
-        config,
-        acc,
-        kv_dtype=kv_dtype,
-        weight_dtype=weight_dtype,
-        gpu_memory_utilization=engine.gpu_memory_utilization,
-        max_num_batched_tokens=engine.max_num_batched_tokens,
-        max_num_seqs=engine.max_num_seqs,
-        block_size=engine.block_size,
-        tp=tp,
-        pp=pp,
-    )
+    mb = settings.memory_budget(config, acc)
     layout = f"tp={tp}" + (f", pp={pp}" if pp > 1 else "")
     if not mb.fits:
         short = sizing.weight_bytes_per_gpu(config, weight_dtype, tp=tp, pp=pp)
@@ -385,10 +316,16 @@ def plan(
             + "; raise --tp, shorten --context or lower the KV precision"
         )
     cost = RooflineStepCost(config, acc, weight_dtype, kv_dtype, tp, realism, pp, allreduce_latency_s)
-    workload = _capped(workload, context)
     vocab = config.get_text_config(decoder=True).vocab_size
     # Random prompts share nothing beyond the workload's prefix: hashing their blocks would only cost time.
-    caching = engine.enable_prefix_caching and workload.prefix_fraction > 0 and workload.prefix_len > 0
+    caching = enable_prefix_caching and workload.prefix_fraction > 0 and workload.prefix_len > 0
+
+    def capped_trace(rate: float | None) -> list[TraceRequest]:
+        """The workload's trace at `rate`, lengths capped to fit `context` (the engine's max_model_len)."""
+        try:
+            return workload.trace(rate, vocab, max_model_len=context)
+        except WorkloadError as err:
+            raise PlanError(str(err)) from None
 
     def run(replicas: int, rate: float | None = None) -> SimulationResult:
         """One scheduler's share of the load (replicas × pp schedulers): the workload's own, or an open-loop
@@ -401,7 +338,7 @@ def plan(
             per_replica, conc = None, max(1, workload.concurrency // schedulers)
         else:
             per_replica, conc = (workload.rate or 0.0) / schedulers, None
-        return serve(workload.trace(per_replica, vocab), conc)
+        return serve(capped_trace(per_replica), conc)
 
     def serve(trace: list[TraceRequest], concurrency: int | None) -> SimulationResult:
         """One replica of the planned engine serving `trace`."""
@@ -410,8 +347,8 @@ def plan(
             cost,
             num_blocks=blocks_per_scheduler,
             block_size=mb.block_size,
-            max_num_seqs=engine.max_num_seqs,
-            max_num_batched_tokens=engine.max_num_batched_tokens,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
             max_model_len=context,
             enable_prefix_caching=caching,
             concurrency=concurrency,
@@ -419,7 +356,7 @@ def plan(
         )
 
     # Targets no GPU count meets: even a request alone on an idle replica misses them.
-    alone = serve(workload.trace(None, vocab)[:20], 1)
+    alone = serve(capped_trace(None)[:20], 1)
     if not targets.met(alone.requests):
         s = alone.summary(qs=(targets.percentile,))
         q = f"p{targets.percentile:g}"
@@ -483,19 +420,6 @@ def plan(
         pp=pp,
         link_ms=cost.link_seconds([1] * _mean_batch(result)) * 1e3,
     )
-
-
-def _capped(workload: Workload, context: int) -> Workload:
-    """Lengths capped so that prompt + output fits `context` (the engine's max_model_len)."""
-    from dataclasses import replace
-
-    max_in = min(workload.max_input_len or context, context // 2)
-    max_out = min(workload.max_output_len or context, context - max_in - max(workload.prefix_len, 0))
-    if max_out < 1:
-        raise PlanError(
-            f"context {context} leaves no room for output after a {workload.prefix_len}-token prefix"
-        )
-    return replace(workload, max_input_len=max_in, max_output_len=max_out)
 
 
 def _goodput(

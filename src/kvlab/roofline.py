@@ -38,10 +38,10 @@ from transformers import PretrainedConfig
 
 from kvlab import hardware
 from kvlab.arch import ArchSpec, config_cache, describe, resolve
+from kvlab.checks import check_count
+from kvlab.shape import config_dtype
 from kvlab.sizing import (
     DType,
-    check_count,
-    config_dtype,
     dtype_bytes,
     kv_cache_bytes,
     param_count,

@@ -10,33 +10,21 @@ Chapter: *Sizing the cache* (book/02_sizing).
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import PretrainedConfig
-
-from kvlab.arch import ArchSpec, config_cache, describe, resolve
+from kvlab.arch import ArchSpec
+from kvlab.checks import check_count
+from kvlab.shape import DType, prepare, shape, weight_groups
 from kvlab.units import dtype_bytes
 
-DType = torch.dtype | str | None
-
-
-def config_dtype(config: PretrainedConfig) -> DType:
-    """The dtype a config declares, else bf16 (what serving stacks default to for these models)."""
-    declared = getattr(config.get_text_config(decoder=True), "dtype", None) or getattr(config, "dtype", None)
-    return declared if declared is not None else "bf16"
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def _spec_and_bytes(config: PretrainedConfig | str, dtype: DType) -> tuple[ArchSpec, int]:
-    config = resolve(config)
-    return describe(config), dtype_bytes(config_dtype(config) if dtype is None else dtype)
-
-
-def check_count(name: str, value: int, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
+    model = shape(config)
+    return model.spec, dtype_bytes(model.dtype if dtype is None else dtype)
 
 
 def check_parallel(spec: ArchSpec, tp: int = 1, pp: int = 1) -> None:
@@ -133,22 +121,9 @@ def kv_cache_bytes_per_stage(
     ]
 
 
-@config_cache
-def _param_count(config: PretrainedConfig) -> int:
-    from transformers import AutoModel, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        try:
-            model = AutoModelForCausalLM.from_config(config)
-        except ValueError:  # e.g. image-text configs with no causal-LM head class registered
-            model = AutoModel.from_config(config)
-    # Tied embeddings are one tensor; parameters() already yields it once.
-    return sum(p.numel() for p in model.parameters())
-
-
 def param_count(config: PretrainedConfig | str) -> int:
     """Parameters of the model a config describes, counted on the `meta` device (nothing is allocated)."""
-    return _param_count(resolve(config))
+    return sum(group.elements for group in weight_groups(config))
 
 
 def weight_bytes(config: PretrainedConfig | str, dtype_or_bits: DType | int = None) -> int:
@@ -163,33 +138,7 @@ def weight_bytes(config: PretrainedConfig | str, dtype_or_bits: DType | int = No
         return math.ceil(params * dtype_or_bits / 8)
     if isinstance(dtype_or_bits, bool):
         raise ValueError(f"weight precision must be a dtype or a bit count, got {dtype_or_bits!r}")
-    config = resolve(config)
-    return params * dtype_bytes(config_dtype(config) if dtype_or_bits is None else dtype_or_bits)
-
-
-_VOCAB = ("embed_tokens", "lm_head", "wte", "word_embeddings", "embed_out")
-_REPLICATED = ("norm", "ln_", "layernorm", "q_a_proj", "kv_a_proj", "wpe", "embed_positions")
-_ROW_PARALLEL_BIAS = (
-    "o_proj.bias",
-    "down_proj.bias",
-    "dense.bias",
-    "c_proj.bias",
-    "out_proj.bias",
-    "fc2.bias",
-)
-_LAYER_INDEX = re.compile(r"\.(?:layers|h)\.(\d+)\.")
-
-
-@config_cache
-def _named_sizes(config: PretrainedConfig) -> tuple[tuple[str, int], ...]:
-    from transformers import AutoModel, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        try:
-            model = AutoModelForCausalLM.from_config(config)
-        except ValueError:
-            model = AutoModel.from_config(config)
-    return tuple((name, p.numel()) for name, p in model.named_parameters())
+    return params * dtype_bytes(shape(config).dtype if dtype_or_bits is None else dtype_or_bits)
 
 
 def weight_bytes_per_gpu(
@@ -222,40 +171,31 @@ def weight_bytes_per_stage(
     vocab_parallel: bool = True,
 ) -> list[int]:
     """`weight_bytes_per_gpu` for one GPU of each of the `pp` pipeline stages, first stage first."""
+    config = prepare(config)
     spec, _ = _spec_and_bytes(config, None)
     check_parallel(spec, tp, pp)
-    config = resolve(config)
     if isinstance(dtype_or_bits, int) and not isinstance(dtype_or_bits, bool):
         weight_bytes(config, dtype_or_bits)  # validates the bit count
         bits = dtype_or_bits
     elif isinstance(dtype_or_bits, bool):
         raise ValueError(f"weight precision must be a dtype or a bit count, got {dtype_or_bits!r}")
     else:
-        bits = 8 * dtype_bytes(config_dtype(config) if dtype_or_bits is None else dtype_or_bits)
+        bits = 8 * dtype_bytes(shape(config).dtype if dtype_or_bits is None else dtype_or_bits)
     kv_heads = spec.kv_heads or 1
     stages = pipeline_stages(spec.num_layers, pp)
-    tied = bool(getattr(config.get_text_config(decoder=True), "tie_word_embeddings", False))
+    owners_of = {"first": [0], "last": [pp - 1], "both": sorted({0, pp - 1})}
     per_stage = [0] * pp  # elements × tp, to divide once
-    for name, numel in _named_sizes(config):
-        match = _LAYER_INDEX.search(name)
-        if match is not None:
-            index = int(match.group(1))
-            owners = [s for s, stage in enumerate(stages) if index in stage]
-        elif any(key in name for key in ("lm_head", "embed_out")) or ("norm" in name or "ln_f" in name):
-            owners = [pp - 1]
-        elif tied and any(key in name for key in _VOCAB):
-            owners = sorted({0, pp - 1})
+    for group in weight_groups(config):
+        if isinstance(group.placement, int):
+            owners = [s for s, stage in enumerate(stages) if group.placement in stage]
         else:
-            owners = [0]
-        if any(key in name for key in _VOCAB):
+            owners = owners_of[group.placement]
+        numel = group.elements
+        if group.sharding == "vocab":
             share = numel if vocab_parallel else numel * tp
-        elif (
-            any(key in name for key in _REPLICATED)
-            or name.endswith(_ROW_PARALLEL_BIAS)
-            or name.endswith(".gate.weight")
-        ):
+        elif group.sharding == "replicated":
             share = numel * tp
-        elif any(key in name for key in ("k_proj", "v_proj")) and spec.kv_heads:
+        elif group.sharding == "kv":
             share = numel * (
                 tp // kv_heads if tp > kv_heads else 1
             )  # per rank: numel × max(1, kv // tp) / kv
@@ -311,9 +251,8 @@ class ModelSize:
 def model_size(
     config: PretrainedConfig | str, kv_dtype: DType = "bf16", weight_dtype: DType | int = "bf16"
 ) -> ModelSize:
-    config = resolve(config)
-    spec = describe(config)
-    text = config.get_text_config(decoder=True)
+    model = shape(config)
+    spec = model.spec
     return ModelSize(
         name=spec.name,
         attention_type=spec.attention_type,
@@ -323,7 +262,7 @@ def model_size(
         kv_bytes_per_token=kv_bytes_per_token(config, kv_dtype),
         params=param_count(config),
         weight_bytes=weight_bytes(config, weight_dtype),
-        max_context=getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None),
+        max_context=model.max_context,
     )
 
 

@@ -9,16 +9,19 @@ DIR/results.csv is rebuilt from the records after every point, one row per grid 
 from __future__ import annotations
 
 import ast
+import contextlib
 import csv
 import hashlib
 import importlib.util
 import io
 import itertools
 import json
+import logging
 import math
 import os
 import re
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,17 +42,39 @@ class SweepError(ValueError):
 
 
 def notebook_parameters(notebook: Path) -> dict[str, Any]:
-    """Names and default values of the notebook's `parameters` cell (a default that is not a literal stays text)."""
+    """Names and default values of the notebook's `parameters` cell (a default that is not a literal stays text).
+
+    Read with Python's own parser, as papermill's kernel will run the cell: papermill's `inspect_notebook` reads
+    it line by line, skips (with a warning) a line whose comment holds an `=`, and so would lose that parameter.
+    """
     if not notebook.is_file():
         raise SweepError(f"no such notebook: {notebook}")
-    papermill = _require("papermill")
     try:
-        found = papermill.inspect_notebook(str(notebook))
-    except Exception as err:  # papermill raises several kinds for unreadable notebooks
-        raise SweepError(f"cannot read the parameters of {notebook}: {err}") from None
+        cells = json.loads(notebook.read_text())["cells"]
+        source = next(
+            "".join(cell["source"])
+            for cell in cells
+            if cell.get("cell_type") == "code" and "parameters" in cell.get("metadata", {}).get("tags", [])
+        )
+    except StopIteration:
+        raise SweepError(f"{notebook} has no cell tagged `parameters`") from None
+    except (ValueError, KeyError, TypeError) as err:
+        raise SweepError(f"cannot read the parameters of {notebook}: {_one_line(err)}") from None
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as err:
+        raise SweepError(f"cannot read the parameters of {notebook}: {_one_line(err)}") from None
+    found: dict[str, Any] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            text = ast.get_source_segment(source, node.value) or ""
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    found[target.id] = _literal(text, text)
     if not found:
         raise SweepError(f"{notebook} has no cell tagged `parameters`")
-    return {name: _literal(spec["default"], spec["default"]) for name, spec in found.items()}
+    return found
 
 
 def glued_scalars(notebook: Path | dict) -> dict[str, Any]:
@@ -221,14 +246,15 @@ def run_point(sweep: Sweep, point: dict[str, Any]) -> dict[str, Any]:
     executed = sweep.runs / f"{name}.ipynb"
     record: dict[str, Any] = {"point": point, "parameters": parameters, "notebook": str(executed)}
     try:
-        papermill.execute_notebook(
-            str(sweep.notebook),
-            str(executed),
-            parameters=parameters,
-            cwd=str(sweep.notebook.resolve().parent),  # labs read files next to themselves
-            kernel_name=sweep.kernel,
-            progress_bar=False,
-        )
+        with _parameters_checked():
+            papermill.execute_notebook(
+                str(sweep.notebook),
+                str(executed),
+                parameters=parameters,
+                cwd=str(sweep.notebook.resolve().parent),  # labs read files next to themselves
+                kernel_name=sweep.kernel,
+                progress_bar=False,
+            )
     except Exception as err:
         record |= {"status": "failed", "error": _one_line(err), "values": {}}
     else:
@@ -399,6 +425,28 @@ def build(notebook: Path, grid: list[str], fixed: list[str], out: Path, kernel: 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Helpers.
+
+
+class _CheckedParameters(logging.Filter):
+    """Drops papermill's own reading of the parameters cell (`Unable to parse line ...`, `Passed unknown
+    parameter ...`): `notebook_parameters` has read that cell with Python's parser and `build` checked every
+    name against it, so these warnings would only repeat, or contradict, a check kvlab made."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(("Unable to parse line", "Passed unknown parameter"))
+
+
+@contextlib.contextmanager
+def _parameters_checked() -> Iterator[None]:
+    loggers = [logging.getLogger("papermill"), logging.getLogger("papermill.translators")]
+    quiet = _CheckedParameters()
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)
 
 
 def _require(module: str):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 _TOKEN_SCALE = {"k": 1024, "m": 1024 * 1024}
@@ -77,7 +80,9 @@ _DTYPE_BYTES = {
 
 def dtype_bytes(dtype: torch.dtype | str | None) -> int:
     """Bytes per element of a torch dtype or one of "fp32", "fp16", "bf16", "fp8", "int8"."""
-    if isinstance(dtype, torch.dtype):
+    # A torch dtype exists only once torch is imported; sizing a registry model never imports it.
+    torch_module = sys.modules.get("torch")
+    if torch_module is not None and isinstance(dtype, torch_module.dtype):
         return dtype.itemsize
     if isinstance(dtype, str) and dtype.lower() in _DTYPE_BYTES:
         return _DTYPE_BYTES[dtype.lower()]

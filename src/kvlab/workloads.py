@@ -6,6 +6,9 @@ and 58.45 (the paper's text: ShareGPT has 8.4× longer inputs and 5.8× longer o
 337.99 / 58.45 = 5.78 agree). The paper shows the distributions, not their shapes' parameters; we draw lognormal
 lengths with those means (long right tails, like Fig. 11) and a spread we chose. `scale` shrinks every length
 for CPU-sized runs while keeping the shape. Token ids are random; the engine's work does not depend on which.
+
+`Workload` is what a deployment serves, the one description `kvlab.plan` simulates (`Workload.trace`) and
+`kvlab.diagnose` reads in closed form.
 """
 
 from __future__ import annotations
@@ -13,8 +16,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+from kvlab.checks import check_count
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,113 @@ class TraceRequest:
     prompt_token_ids: tuple[int, ...]
     max_tokens: int  # output length the request will generate (eos ignored, as in vLLM's benchmarks)
     shares_prefix: bool = False
+
+
+class WorkloadError(ValueError):
+    """A workload kvlab cannot serve or diagnose (the message names the problem in one line)."""
+
+
+LONGEST_OVER_MEAN = 4  # the longest prompt or output, when not given, as a multiple of the mean
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Mean prompt and output lengths (the longest of each, when known), an arrival rate in requests/s (open
+    loop) or a concurrency in requests in flight (closed loop), and a share of requests that start with one
+    shared prefix of `prefix_len` tokens.
+
+    `trace` draws `num_requests` seeded requests of it (lognormal lengths of spread `sigma`, capped at
+    `max_input`/`max_output`); `mean_resident` reads the output lengths' spread as `output_cv` instead.
+    """
+
+    mean_input: float = SHAREGPT.mean_input
+    mean_output: float = SHAREGPT.mean_output
+    rate: float | None = None
+    concurrency: int | None = None
+    prefix_fraction: float = 0.0
+    prefix_len: int = 0
+    max_input: int | None = None  # the longest prompt (P99 or max); default LONGEST_OVER_MEAN × the mean
+    max_output: int | None = None  # the longest output; default LONGEST_OVER_MEAN × the mean
+    output_cv: float = 0.0  # coefficient of variation of the output length (std / mean); 0: all equal
+    sigma: float = SHAREGPT.sigma  # of the lognormal lengths `trace` draws
+    num_requests: int = 300
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("mean_input", "mean_output"):
+            if not _number(getattr(self, name)) or not getattr(self, name) >= 1:
+                raise WorkloadError(f"{name} must be at least 1 token, got {getattr(self, name)!r}")
+        if (self.rate is None) == (self.concurrency is None):
+            raise WorkloadError("give exactly one of rate (requests/s) and concurrency (requests in flight)")
+        if self.rate is not None and not (_number(self.rate) and 0 < self.rate < math.inf):
+            raise WorkloadError(f"rate must be a positive number of requests per second, got {self.rate!r}")
+        if not (_number(self.output_cv) and 0 <= self.output_cv < math.inf):
+            raise WorkloadError(f"output_cv must be a number >= 0, got {self.output_cv!r}")
+        if not (_number(self.prefix_fraction) and 0 <= self.prefix_fraction <= 1):
+            raise WorkloadError(f"prefix_fraction must be in [0, 1], got {self.prefix_fraction!r}")
+        for name in ("max_input", "max_output", "concurrency"):
+            if getattr(self, name) is not None:
+                check_count(name, getattr(self, name), 1, WorkloadError)
+        check_count("prefix_len", self.prefix_len, 0, WorkloadError)
+        check_count("num_requests", self.num_requests, 1, WorkloadError)
+        if not (_number(self.sigma) and self.sigma >= 0):
+            raise WorkloadError(f"sigma must be a number >= 0, got {self.sigma!r}")
+        for longest, mean in (("max_input", "mean_input"), ("max_output", "mean_output")):
+            if getattr(self, longest) is not None and getattr(self, longest) < getattr(self, mean):
+                raise WorkloadError(
+                    f"{longest} {getattr(self, longest)} is below {mean} {getattr(self, mean)}"
+                )
+
+    @property
+    def longest_input(self) -> int:
+        return self.max_input or math.ceil(LONGEST_OVER_MEAN * self.mean_input)
+
+    @property
+    def longest_output(self) -> int:
+        return self.max_output or math.ceil(LONGEST_OVER_MEAN * self.mean_output)
+
+    @property
+    def mean_length(self) -> float:
+        """Tokens a request holds when it finishes: prompt plus output."""
+        return self.mean_input + self.mean_output
+
+    @property
+    def mean_resident(self) -> float:
+        """Tokens a running request holds, averaged over engine steps: a request generating `n` tokens after a
+        `p`-token prompt holds `p, p + 1, ..., p + n - 2` in its `n - 1` decode steps' ends, and requests with
+        long outputs occupy more steps, so the average weights each request by `n`:
+        `E[p] + (E[n^2] / E[n] - 1) / 2 = mean_input + (mean_output × (1 + output_cv²) - 1) / 2`
+        (prompt and output lengths independent). With `output_cv = 0` every output has the mean length."""
+        return self.mean_input + max(0.0, self.mean_output * (1 + self.output_cv**2) - 1) / 2
+
+    def trace(
+        self, rate: float | None = None, vocab_size: int = 32000, max_model_len: int | None = None
+    ) -> list[TraceRequest]:
+        """A seeded trace of this workload at `rate` requests/s (None: all at t=0, for a closed loop). With
+        `max_model_len`, prompts are capped at half of it and outputs at what the prompt and prefix leave."""
+        max_input, max_output = self.max_input, self.max_output
+        if max_model_len is not None:
+            max_input = min(max_input or max_model_len, max_model_len // 2)
+            max_output = min(max_output or max_model_len, max_model_len - max_input - self.prefix_len)
+            if max_output < 1:
+                raise WorkloadError(
+                    f"context {max_model_len} leaves no room for output after a {self.prefix_len}-token prefix"
+                )
+        return synthetic_trace(
+            self.num_requests,
+            LengthProfile("workload", self.mean_input, self.mean_output, self.sigma),
+            request_rate=math.inf if rate is None else float(rate),
+            vocab_size=vocab_size,
+            seed=self.seed,
+            shared_prefix_len=self.prefix_len,
+            shared_prefix_fraction=self.prefix_fraction,
+            max_input_len=max_input,
+            max_output_len=max_output,
+        )
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def poisson_arrivals(n: int, rate: float, rng: np.random.Generator) -> np.ndarray:
