@@ -14,6 +14,7 @@ from docutils import nodes
 from sphinx.util.docutils import SphinxDirective
 
 CFF = "CITATION.cff"
+STATIC = Path(__file__).parent / "static"
 
 
 def author_names(cff: dict) -> list[str]:
@@ -28,12 +29,13 @@ def author_names(cff: dict) -> list[str]:
     return names
 
 
-def reference_parts(cff: dict) -> tuple[str, str, str]:
-    """One APA-style reference, as the text before the title, the title (set in italics) and the rest."""
+def reference_parts(cff: dict) -> tuple[str, str, str, str]:
+    """One APA-style reference in parts: the text before the title, the title (set in italics), the text after
+    it and the URL (a link)."""
     year = str(cff["date-released"])[:4]
     url = cff.get("url") or cff["repository-code"]
     before = f"{', '.join(author_names(cff))} ({year}). "
-    return before, cff["title"], f" (Version {cff['version']}) [Computer software]. {url}"
+    return before, cff["title"], f" (Version {cff['version']}) [Computer software]. ", url
 
 
 def reference(cff: dict) -> str:
@@ -71,16 +73,23 @@ class CiteThisBook(SphinxDirective):
         cff = load(path)
         box = nodes.admonition(classes=["kvlab-cite", "tip"])
         box += nodes.title(text="Cite this book")
-        before, title, after = reference_parts(cff)
-        box += nodes.paragraph("", "", nodes.Text(before), nodes.emphasis(text=title), nodes.Text(after))
-        box += nodes.literal_block(bibtex(cff), bibtex(cff), language="bibtex")
+        before, title, after, url = reference_parts(cff)
+        link = nodes.reference(url, url, refuri=url)
         box += nodes.paragraph(
-            text=f"Generated from the repository's {CFF}, which GitHub's citation button reads."
+            "", "", nodes.Text(before), nodes.emphasis(text=title), nodes.Text(after), link
         )
+        box += nodes.literal_block(bibtex(cff), bibtex(cff), language="bibtex")
+        box += nodes.paragraph(text=f"Both from the repository's {CFF}.")
         return [box]
+
+
+def add_static(app, config):
+    config.html_static_path.append(str(STATIC))
 
 
 def setup(app):
     app.add_config_value("kvlab_citation_file", CFF, "env")
     app.add_directive("cite-this-book", CiteThisBook)
+    app.connect("config-inited", add_static)
+    app.add_css_file("kvlab_cite.css")
     return {"parallel_read_safe": True, "parallel_write_safe": True}

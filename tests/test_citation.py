@@ -83,5 +83,11 @@ def test_the_rendered_box_matches_the_cff(tmp_path):
     html = (tmp_path / "html" / "index.html").read_text()
     cff = yaml.safe_load(CFF.read_text())
     assert "Cite this book" in html
-    assert f"<em>{cff['title']}</em> (Version {cff['version']}) [Computer software]. {cff['url']}" in html
+    url = cff["url"]
+    assert (
+        f'<em>{cff["title"]}</em> (Version {cff["version"]}) [Computer software]. <a class="reference external" href="{url}">{url}</a>'
+        in html
+    )
+    # The box's BibTeX wraps on a narrow screen (its stylesheet is linked and copied).
+    assert "_static/kvlab_cite.css" in html and (tmp_path / "html" / "_static" / "kvlab_cite.css").is_file()
     assert "@software" in html and cff["repository-code"] in html

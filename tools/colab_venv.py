@@ -115,9 +115,9 @@ def build_wheel(out: Path) -> Path:
     """kvlab's wheel from this tree (`python -m build --wheel`, with the development venv's `build` when this
     Python has none: `make` runs this script with the system python3)."""
     python = sys.executable if importlib.util.find_spec("build") else str(ROOT / ".venv" / "bin" / "python")
-    cmd = [python, "-m", "build", "--wheel", "--outdir", str(out)]
+    cmd = [python, "-m", "build", "--wheel", "--quiet", "--outdir", str(out)]
     print("+ " + shlex.join(cmd[1:]), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, cwd=ROOT)
     (wheel,) = out.glob("kvlab-*.whl")
     return wheel
 
