@@ -79,29 +79,27 @@ class WeightGroup:
 def prepare(config: PretrainedConfig | str) -> PretrainedConfig | str:
     """What a function that sizes one model several ways passes on: a config or a registry name as they are
     (the name's shape is stored), another name loaded once (`kvlab.arch.get`)."""
-    if isinstance(config, str) and config not in _stored():
-        return arch.get(config)
-    return config
+    found = _lookup(config)
+    return config if isinstance(found, tuple) else found
 
 
 def shape(config: PretrainedConfig | str) -> ModelShape:
     """The shape of a config, or of a registry name (stored) or another name (`kvlab.arch.get`)."""
-    if isinstance(config, str):
-        stored = _stored().get(config)
-        if stored is not None:
-            return stored[0]
-        config = arch.get(config)
-    return _from_config(config)
+    found = _lookup(config)
+    return found[0] if isinstance(found, tuple) else _from_config(found)
 
 
 def weight_groups(config: PretrainedConfig | str) -> tuple[WeightGroup, ...]:
     """A model's parameters grouped by placement and sharding (`kvlab.sizing.weight_bytes_per_stage`)."""
+    found = _lookup(config)
+    return found[1] if isinstance(found, tuple) else _weight_groups(found)
+
+
+def _lookup(config: PretrainedConfig | str) -> tuple[ModelShape, tuple[WeightGroup, ...]] | PretrainedConfig:
+    """A registry name's stored shape and weight groups; else the config, loaded for another name."""
     if isinstance(config, str):
-        stored = _stored().get(config)
-        if stored is not None:
-            return stored[1]
-        config = arch.get(config)
-    return _weight_groups(config)
+        return _stored().get(config) or arch.get(config)
+    return config
 
 
 def config_dtype(config: PretrainedConfig) -> DType:
