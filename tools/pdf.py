@@ -48,6 +48,8 @@ PRINT_CSS = """
 .prev-next-area, .header-article-items, #pst-back-to-top, .skip-link { display: none !important; }
 .bd-main .bd-content .bd-article-container { max-width: 100% !important; }
 img, figure { break-inside: avoid; }
+/* A code cell or its output moves to the next page whole, unless it is longer than a page. */
+.cell_input, .cell_output { break-inside: avoid; }
 /* Code and outputs wrap at the page edge instead of being cut off there. */
 pre { white-space: pre-wrap !important; overflow-wrap: anywhere; overflow: visible !important; }
 /* Each document of the book (a chapter's page, its lab) starts on a new page: singlehtml marks where. */
@@ -86,7 +88,15 @@ def print_pdf(html: Path, out: Path) -> dict:
         page.add_style_tag(content=PRINT_CSS)
         ready = page.evaluate(READY)
         page.emulate_media(media="print")
-        page.pdf(path=str(out), prefer_css_page_size=True, print_background=True, outline=True, tagged=True)
+        # At 0.8 the A4 column is 860 CSS px wide, wider than the web page's: what fits there fits here.
+        page.pdf(
+            path=str(out),
+            scale=0.8,
+            prefer_css_page_size=True,
+            print_background=True,
+            outline=True,
+            tagged=True,
+        )
         context.close()
     if ready["broken"] or ready["untypeset"]:
         raise RuntimeError(
