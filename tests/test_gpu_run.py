@@ -38,6 +38,8 @@ def test_bad_parameters_file_is_a_one_line_error(tmp_path):
         load_params(bad, ROOT / "book")
 
 
+# It executes lab 1, a timed lab, so it runs with the timed checks, alone on the machine.
+@pytest.mark.slow
 def test_gpu_run_script_dry_run_on_cpu(tmp_path):
     wheels = tmp_path / "wheels"
     wheels.mkdir()
