@@ -13,6 +13,7 @@ per-attempt miss rate p and k attempts, the claim fails about p**k of the runs i
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing
 import os
@@ -215,14 +216,19 @@ def report_files(paths: list[Path]) -> str:
     return "\n\n".join(report(runs, load) for load, runs in sorted(by_load.items()))
 
 
+@functools.cache
+def _machine() -> dict[str, str | None]:
+    """What ran the sweep; the same for every run, so read once, not after each run."""
+    env = env_report()
+    return {key: env.get(key) for key in ("cpu", "cpu_capability", "threads", "torch")}
+
+
 def _write(path: Path | None, runs: list[Run], load: int) -> None:
     if path is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    env = env_report()
-    machine = {key: env.get(key) for key in ("cpu", "cpu_capability", "threads", "torch")}
     text = report(runs, load)
-    payload = {"load": load, "machine": machine, "runs": [asdict(r) for r in runs], "report": text}
+    payload = {"load": load, "machine": _machine(), "runs": [asdict(r) for r in runs], "report": text}
     path.write_text(json.dumps(payload, indent=1) + "\n")
 
 
