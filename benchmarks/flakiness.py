@@ -17,6 +17,7 @@ import functools
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from collections import Counter, defaultdict
@@ -168,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", type=int, default=0, help="CPU-bound processes to run beside the labs")
     parser.add_argument("--timeout", type=int, default=900, help="seconds a cell may take")
     parser.add_argument("--json", type=Path, help="also write every run here")
+    parser.add_argument(
+        "--pause-file",
+        type=Path,
+        help="while this file exists, wait between runs with the load stopped",
+    )
     args = parser.parse_args(argv)
     if args.report:
         print(report_files(args.report))
@@ -187,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for number in range(1, args.runs + 1):
             for lab in labs:
+                _wait_while_paused(args.pause_file, spinners)
                 run = run_lab(lab, number, args.timeout)
                 runs.append(run)
                 state = f"FAILED: {run.failed_at}" if run.failed_at else "ok"
@@ -198,6 +205,22 @@ def main(argv: list[str] | None = None) -> int:
             p.terminate()
     print(report(runs, args.load))
     return 0
+
+
+def _wait_while_paused(pause: Path | None, spinners: list[multiprocessing.Process]) -> None:
+    """Hold the sweep between runs, so the machine can be borrowed without a run sharing it."""
+    if pause is None or not pause.exists():
+        return
+    # The load is stopped too: a paused sweep should leave the machine to whoever paused it.
+    for p in spinners:
+        os.kill(p.pid, signal.SIGSTOP)
+    print(f"paused while {pause} exists", flush=True)
+    while pause.exists():
+        time.sleep(5)
+    for p in spinners:
+        os.kill(p.pid, signal.SIGCONT)
+    # The load needs a moment to be back at full speed before a run shares the machine with it.
+    time.sleep(2)
 
 
 def load_runs(path: Path) -> tuple[int, list[Run]]:
