@@ -1,26 +1,41 @@
 """The memory budget: what is left for KV blocks once everything else has taken its share of the GPU.
 
-The whole GPU is never available to the cache. Term by term, the way vLLM sizes its pool at startup
-(vLLM v1 `gpu_worker.determine_available_memory`: requested memory = total × `gpu_memory_utilization`, less
-weights, peak activation and memory outside PyTorch):
+Term by term, the way vLLM 0.33.0 sizes its pool at start-up (read from the 0.33.0 wheel's source):
+`vllm/v1/worker/gpu_worker.py` `Worker.init_device` takes a memory snapshot once CUDA, NCCL and the cuBLAS
+handles are up, and `request_memory` (`vllm/v1/worker/utils.py`) asks for `ceil(total × gpu_memory_utilization)`
+of the CUDA-visible total; `Worker.determine_available_memory` runs `memory_profiling`
+(`vllm/utils/mem_utils.py`) around `GPUModelRunner.profile_run` and returns
 
-1. **capacity**: what the driver reports (`kvlab.hardware`: the `nvidia-smi` total);
-2. **engine cap**: the engine keeps `1 - gpu_memory_utilization` of it unused (vLLM's default is 0.9, the
-   `--gpu-memory-utilization` engine argument, https://docs.vllm.ai/en/latest/configuration/engine_args.html);
-3. **CUDA context and runtime**: driver, CUDA context, cuBLAS/NCCL workspaces, held outside PyTorch's
-   allocator. Measured on a GPU by `kvlab.measure.cuda_context_bytes`; elsewhere the default is 781 MiB, what
-   `nvidia-smi` showed for a process that had only initialised CUDA in PyTorch (pytorch/pytorch#34323). vLLM
-   counts this inside its 10 % headroom; kvlab subtracts it on top, so its pool is never larger than vLLM's
-   at the same settings;
-4. **weights**: parameters × bytes (`kvlab.sizing.weight_bytes`);
-5. **activation workspace**: the peak of a forward over the largest token batch the scheduler admits
-   (`max_num_batched_tokens`). An engine measures it by profiling a dummy forward (`kvlab.engine` does, like
-   vLLM); without a model at hand, `activation_workspace_bytes` estimates it from the config;
-6. **block rounding**: the pool holds whole blocks of `block_size` tokens, and a sequence holds whole blocks.
+    requested - (weights + non-torch increase + persistent buffers) - transient peak - CUDA-graph estimate.
+
+1. **capacity**: the total NVML (`nvidia-smi`) reports, as `kvlab.hardware` stores it;
+2. **driver reserve**: CUDA's own total (`cudaMemGetInfo`, what vLLM multiplies) is smaller by a few hundred
+   MiB. An estimate (`DRIVER_RESERVED_BYTES`), measured on a GPU as `torch.cuda.mem_get_info()[1]`;
+3. **engine cap**: `1 - gpu_memory_utilization` of CUDA's total stays unused. The CUDA context, NCCL's
+   buffers and cuBLAS's handles exist before vLLM's snapshot, so they live inside this headroom and are not
+   subtracted again (`kvlab.measure.cuda_context_bytes` measures them on a GPU);
+4. **non-torch memory**: what grows outside PyTorch during the profile run (attention workspaces, the
+   communication buffers `_dummy_run(is_profile=True)` pre-allocates). An estimate per TP size
+   (`non_torch_bytes`): much larger at TP >= 2;
+5. **weights**: parameters × bytes (`kvlab.sizing.weight_bytes_per_gpu`), vLLM's "Model loading took";
+6. **activation peak**: `profile_run` runs `_dummy_run(max_num_batched_tokens)` and then `_dummy_sampler_run`
+   on `min(max_num_seqs, max_num_batched_tokens)` rows of logits; the allocator's peak is the larger of the
+   two, since the forward's tensors are freed first. Both are estimates (`forward_peak_bytes`,
+   `sampler_peak_bytes`); an engine with the model at hand measures the peak (`kvlab.engine` does). With
+   chunked prefill off vLLM raises `max_num_batched_tokens` to `max_model_len`, so one whole prompt is profiled;
+7. **CUDA graphs**: `GPUModelRunner.profile_cudagraph_memory` captures two graphs per mode and extrapolates;
+   0.33 subtracts that estimate (`VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1`, the default since 0.21).
+   kvlab's estimate: `cuda_graph_bytes`; none with `enforce_eager`;
+8. **block rounding**: the pool holds whole blocks of `block_size` tokens, and a sequence holds whole blocks.
+
+**When the pool is a bound.** `kv_pool_bytes` is a lower bound on vLLM 0.33's "Available KV cache memory" at
+the same settings when each estimated term (driver reserve, non-torch memory, activation peak, CUDA graphs) is
+at or above what vLLM measures and the weights are vLLM's. The estimates are chosen above every published
+measurement kvlab has (`tests/data/vllm_logs`); `tests/test_budget_vs_logs.py` checks the pool against them.
 
 `MemoryBudget` is the one place a KV budget is computed: `kvlab size --gpu`, the chapters' "N sequences fit"
-figures and the engine's pool all come from it. Chapters: *Active tokens, not batch size* (book/05_active_tokens),
-*Long context* (book/06_long_context).
+figures and the engine's pool all come from it; vLLM's defaults come from `kvlab.vllm_defaults`. Chapters:
+*Active tokens, not batch size* (book/05_active_tokens), *Long context* (book/06_long_context).
 """
 
 from __future__ import annotations
@@ -30,7 +45,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvlab import hardware
+from kvlab import hardware, vllm_defaults
 from kvlab.checks import check_count
 from kvlab.shape import prepare, shape
 from kvlab.units import MiB, dtype_bytes, format_bytes, format_tokens
@@ -38,12 +53,77 @@ from kvlab.units import MiB, dtype_bytes, format_bytes, format_tokens
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization
+GPU_MEMORY_UTILIZATION = vllm_defaults.GPU_MEMORY_UTILIZATION
+BLOCK_SIZE = vllm_defaults.BLOCK_SIZE
+# What kvlab's own engine and the activation estimate assume when no GPU says otherwise: vLLM's defaults on a
+# GPU of the "other" tier, as `vllm serve` starts (kvlab.vllm_defaults.batch_defaults).
+MAX_NUM_BATCHED_TOKENS = vllm_defaults.OTHER.max_num_batched_tokens["llm"]
+MAX_NUM_SEQS = vllm_defaults.OTHER.max_num_seqs["serve"]
 CUDA_CONTEXT_BYTES = 781 * MiB  # nvidia-smi after CUDA init in PyTorch (pytorch/pytorch#34323)
-MAX_NUM_BATCHED_TOKENS = 8192  # vLLM v1's default token budget per step for online serving
-MAX_NUM_SEQS = 256  # vLLM's default --max-num-seqs
-BLOCK_SIZE = 16  # vLLM's default --block-size on GPUs
 DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8")  # the weight and KV precisions `BudgetSettings` takes
+
+# NVML's total less CUDA's: 430 MiB on an RTX 3090 (23.58 GiB printed by vLLM, tests/data/vllm_logs), 479 MiB
+# on an H100 80GB (79.18 GiB, llm-d/llm-d-benchmark), 494 MiB on an RTX PRO 4500 (vllm-project/vllm#51590).
+DRIVER_RESERVED_BYTES = 512 * MiB
+# Memory outside PyTorch that vLLM's profile run adds: 0.05-0.35 GiB measured at TP=1, about 2.1 GiB per GPU at
+# TP >= 2 (NCCL and custom all-reduce buffers), in the logs of tests/data/vllm_logs and kvlab issue 21.
+NON_TORCH_BYTES_TP1 = 512 * MiB
+NON_TORCH_BYTES_TP = 2304 * MiB
+# The sampler's dummy batch, bytes per logit alive at its peak in 0.33 (vllm/v1/sample/sampler.py and
+# ops/topk_topp_sampler.py forward_native, Triton top-k/top-p): the bf16 logits (2), their fp32 copy (4), the
+# probabilities (4) and the exponential noise (4), rounded up for kernel scratch. The PyTorch path, taken without
+# Triton (and by older versions), sorts: values (4) and int64 indices (8) more.
+SAMPLER_BYTES_PER_LOGIT = 16
+# One captured CUDA graph beyond the first: about 24 MiB for a FULL graph (vllm-project/vllm#50780), 23 MiB
+# averaged over 16 PIECEWISE graphs (gpustack/runner#251: 0.36 GiB).
+CUDA_GRAPH_BYTES = 24 * MiB
+
+
+def non_torch_bytes(tp: int = 1) -> int:
+    """Estimated memory outside PyTorch that vLLM charges per GPU at `tp` tensor-parallel ranks."""
+    return NON_TORCH_BYTES_TP1 if check_count("tp", tp) == 1 else NON_TORCH_BYTES_TP
+
+
+def cuda_graph_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
+    """The token counts vLLM 0.33 captures a graph for by default (`VllmConfig._set_cudagraph_sizes`): 1, 2, 4,
+    then every 8 up to 248 and every 16 from 256, up to min(2 × max_num_seqs, 512, max_num_batched_tokens)."""
+    largest = min(2 * max_num_seqs, vllm_defaults.MAX_CUDAGRAPH_CAPTURE_SIZE, max_num_batched_tokens)
+    sizes = [n for n in (1, 2, 4) if n <= largest]
+    sizes += list(range(8, min(largest + 1, 256), 8)) + list(range(256, largest + 1, 16))
+    if max_num_batched_tokens <= largest and max_num_batched_tokens not in sizes:
+        sizes.append(max_num_batched_tokens)
+    return sorted(sizes)
+
+
+def cuda_graph_bytes(
+    config: PretrainedConfig | str,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    dtype: str = "bf16",
+    tp: int = 1,
+) -> int:
+    """Estimated CUDA-graph memory as vLLM 0.33 subtracts it (`GPUModelRunner.profile_cudagraph_memory`).
+
+    vLLM's default mode, FULL_AND_PIECEWISE, captures a PIECEWISE graph for every size of `cuda_graph_sizes`
+    and a FULL graph for every decode batch up to `max_num_seqs`; per mode it counts its first capture whole
+    and the second one once per further graph, then overlays the two modes' first captures (max). kvlab takes
+    the first capture as the forward peak at the largest size and `CUDA_GRAPH_BYTES` per further graph."""
+    sizes = cuda_graph_sizes(max_num_seqs, max_num_batched_tokens)
+    decode = [n for n in sizes if n <= max_num_seqs]
+    first = forward_peak_bytes(config, sizes[-1], dtype, tp=tp)
+    return first + CUDA_GRAPH_BYTES * (len(sizes) - 1 + max(len(decode) - 1, 0))
+
+
+def sampler_peak_bytes(config: PretrainedConfig | str, num_seqs: int) -> int:
+    """Estimated peak of vLLM's `_dummy_sampler_run`: `num_seqs` rows of logits over the whole vocabulary
+    (every TP rank gathers them), `SAMPLER_BYTES_PER_LOGIT` bytes each."""
+    return check_count("num_seqs", num_seqs) * shape(config).vocab_size * SAMPLER_BYTES_PER_LOGIT
+
+
+def forward_peak_bytes(config: PretrainedConfig | str, num_tokens: int, dtype: str = "bf16", tp: int = 1) -> int:
+    """Estimated activation peak of vLLM's dummy forward over `num_tokens` tokens: `activation_workspace_bytes`
+    with one sampled row (the logits belong to the sampler's run)."""
+    return activation_workspace_bytes(config, num_tokens, 1, dtype, tp=tp)
 
 
 @dataclass(frozen=True)
@@ -52,26 +132,60 @@ class MemoryBudget:
 
     capacity_bytes: int
     gpu_memory_utilization: float
-    runtime_bytes: int  # CUDA context, driver and library workspaces, outside PyTorch's allocator
+    runtime_bytes: int  # memory outside PyTorch's allocator charged to the engine (vLLM's non-torch increase)
     weight_bytes: int
     activation_bytes: int  # peak activation workspace of the largest step
     block_size: int  # tokens per block
     kv_bytes_per_token: int  # all layers, while every layer still grows
     runtime_source: str = f"default {format_bytes(CUDA_CONTEXT_BYTES)} (pytorch/pytorch#34323)"
     activation_source: str = "estimate (kvlab.budget.activation_workspace_bytes)"
+    driver_reserved_bytes: int = 0  # NVML's total less CUDA's: vLLM's utilisation applies to CUDA's
+    driver_reserved_source: str = "none counted"
+    sampler_bytes: int = 0  # the sampler's dummy batch; it runs after the forward, so the peak is the larger
+    sampler_source: str = "none counted"
+    cuda_graph_bytes: int = 0
+    cuda_graph_source: str = "none counted"
+    settings_note: str = ""  # the token budget and batch the estimates assume, and where they come from
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name in ("capacity_bytes", "runtime_bytes", "weight_bytes", "activation_bytes"):
+        for name in (
+            "capacity_bytes",
+            "runtime_bytes",
+            "weight_bytes",
+            "activation_bytes",
+            "driver_reserved_bytes",
+            "sampler_bytes",
+            "cuda_graph_bytes",
+        ):
             check_count(name, getattr(self, name), 0)
         for name in ("block_size", "kv_bytes_per_token"):
             check_count(name, getattr(self, name))
+        if self.driver_reserved_bytes > self.capacity_bytes:
+            raise ValueError(
+                f"driver_reserved_bytes ({self.driver_reserved_bytes}) exceeds the capacity ({self.capacity_bytes})"
+            )
+
+    @property
+    def cuda_total_bytes(self) -> int:
+        """The total CUDA reports, which vLLM multiplies by `gpu_memory_utilization`."""
+        return self.capacity_bytes - self.driver_reserved_bytes
+
+    @property
+    def requested_bytes(self) -> int:
+        """vLLM's requested memory: ceil(CUDA's total × gpu_memory_utilization) (`request_memory`)."""
+        return math.ceil(self.cuda_total_bytes * self.gpu_memory_utilization)
 
     @property
     def engine_cap_bytes(self) -> int:
-        """Bytes the engine leaves unused: capacity × (1 - gpu_memory_utilization), rounded up."""
-        return self.capacity_bytes - math.floor(self.capacity_bytes * self.gpu_memory_utilization)
+        """Bytes the engine leaves unused: CUDA's total × (1 - gpu_memory_utilization), rounded down."""
+        return self.cuda_total_bytes - self.requested_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """The profile run's activation peak: the forward's or the sampler's, whichever is larger."""
+        return max(self.activation_bytes, self.sampler_bytes)
 
     @property
     def block_bytes(self) -> int:
@@ -81,11 +195,11 @@ class MemoryBudget:
     def kv_headroom_bytes(self) -> int:
         """What the other terms leave for the cache; negative when they alone do not fit."""
         return (
-            self.capacity_bytes
-            - self.engine_cap_bytes
+            self.requested_bytes
             - self.runtime_bytes
             - self.weight_bytes
-            - self.activation_bytes
+            - self.peak_bytes
+            - self.cuda_graph_bytes
         )
 
     @property
@@ -121,22 +235,29 @@ class MemoryBudget:
         return self.num_blocks * self.block_size
 
     def lines(self, context_len: int | None = None) -> list[str]:
-        """The budget, one term a line, each with where its figure comes from."""
+        """The budget, one term a line, each with where its figure comes from (estimate or measured)."""
 
         def row(label: str, value: int, note: str) -> str:
             return f"  {label:<22}{format_bytes(value):>11}   {note}"
 
-        out = [
-            row("capacity", self.capacity_bytes, "what the driver reports"),
+        util = self.gpu_memory_utilization
+        default = vllm_defaults.GPU_MEMORY_UTILIZATION
+        out = [row("capacity", self.capacity_bytes, "what the driver (NVML, nvidia-smi) reports")]
+        if self.driver_reserved_bytes:
+            out.append(row("- driver reserve", self.driver_reserved_bytes, self.driver_reserved_source))
+        out += [
             row(
                 "- engine cap",
                 self.engine_cap_bytes,
-                f"1 - gpu_memory_utilization ({self.gpu_memory_utilization:g}; vLLM's default is 0.9)",
+                f"1 - gpu_memory_utilization ({util:g}; vLLM {vllm_defaults.VLLM_VERSION}'s default is "
+                f"{default:g}); holds the CUDA context",
             ),
-            row("- CUDA context/runtime", self.runtime_bytes, self.runtime_source),
+            row("- non-torch memory", self.runtime_bytes, self.runtime_source),
             row("- weights", self.weight_bytes, "parameters × bytes"),
-            row("- activations", self.activation_bytes, self.activation_source),
+            row("- activations", self.peak_bytes, self._peak_note()),
         ]
+        if self.cuda_graph_bytes:
+            out.append(row("- CUDA graphs", self.cuda_graph_bytes, self.cuda_graph_source))
         if self.kv_headroom_bytes < 0:
             out.append(
                 f"  = does NOT fit: the terms above exceed the capacity by {format_bytes(-self.kv_headroom_bytes)}"
@@ -150,12 +271,23 @@ class MemoryBudget:
                 f"{self.num_blocks:,} blocks × {format_bytes(self.block_bytes)} = {self.max_tokens():,} tokens",
             ),
         ]
+        if self.settings_note:
+            out.append(f"  at {self.settings_note}")
         if context_len is not None:
             out.append(
                 f"  sequences that fit    {self.max_sequences(context_len):>11,}   of {format_tokens(context_len)} "
                 f"tokens ({self.blocks_per_sequence(context_len)} blocks each)"
             )
         return out
+
+    def _peak_note(self) -> str:
+        if not self.sampler_bytes:
+            return self.activation_source
+        forward, sampler = format_bytes(self.activation_bytes), format_bytes(self.sampler_bytes)
+        larger = "forward" if self.activation_bytes >= self.sampler_bytes else "sampler"
+        return (
+            f"the {larger}'s: forward {forward} ({self.activation_source}), sampler {sampler} ({self.sampler_source})"
+        )
 
 
 def activation_workspace_bytes(
@@ -208,68 +340,118 @@ def memory_budget(
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
     runtime_bytes: int | None = None,
     activation_bytes: int | None = None,
-    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
-    max_num_seqs: int = MAX_NUM_SEQS,
+    driver_reserved_bytes: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    max_num_seqs: int | None = None,
     block_size: int = BLOCK_SIZE,
     tp: int = 1,
     pp: int = 1,
+    usage_context: str = vllm_defaults.USAGE_CONTEXT,
+    enable_chunked_prefill: bool = vllm_defaults.ENABLE_CHUNKED_PREFILL,
+    max_model_len: int | None = None,
+    enforce_eager: bool = False,
+    estimate_cuda_graphs: bool = vllm_defaults.ESTIMATE_CUDA_GRAPHS,
 ) -> MemoryBudget:
-    """The budget of serving `config` on `gpu` (a spec-table name or entry) with vLLM's defaults.
+    """The budget of serving `config` on `gpu` (a spec-table name or entry) as vLLM 0.33.0 sizes it.
 
-    Pass `runtime_bytes` measured by `kvlab.measure.cuda_context_bytes` and `activation_bytes` measured by a
-    profiled forward to replace the defaults. With `tp` tensor-parallel ranks and `pp` pipeline stages it is
-    the budget of ONE GPU of the largest stage: its weights (`kvlab.sizing.weight_bytes_per_gpu`), its KV bytes
-    per token (`kvlab.sizing.kv_bytes_per_token(..., tp, pp)`, heads copied past the KV-head count) and an
-    activation estimate whose head and MLP widths are split `tp` ways. The block and sequence counts are then
-    the whole deployment's: every GPU of a stage holds the same blocks.
+    `max_num_batched_tokens` and `max_num_seqs` left None are vLLM's defaults for this GPU and `usage_context`
+    ("serve" or "llm", `kvlab.vllm_defaults.batch_defaults`); with `enable_chunked_prefill=False` the token
+    budget rises to `max_model_len` (the model's limit when None). Pass `runtime_bytes` (non-torch memory),
+    `activation_bytes` (the profile run's peak) or `driver_reserved_bytes` measured on a GPU to replace the
+    estimates. With `tp` tensor-parallel ranks and `pp` pipeline stages it is the budget of ONE GPU of the
+    largest stage: its weights (`kvlab.sizing.weight_bytes_per_gpu`), its KV bytes per token
+    (`kvlab.sizing.kv_bytes_per_token(..., tp, pp)`, heads copied past the KV-head count) and an activation
+    estimate whose head and MLP widths are split `tp` ways. The block and sequence counts are then the whole
+    deployment's: every GPU of a stage holds the same blocks. `enforce_eager` captures no CUDA graphs;
+    `estimate_cuda_graphs=False` is `VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0` (and vLLM before 0.21, or v0):
+    the graphs are captured but not charged to the pool.
     """
     from kvlab.sizing import kv_bytes_per_token, weight_bytes_per_gpu
 
     spec = hardware.get(gpu) if isinstance(gpu, str) else gpu
     config = prepare(config)
+    if max_model_len is None and not enable_chunked_prefill:
+        max_model_len = shape(config).max_context
+    batch = vllm_defaults.batch_defaults(
+        spec.memory_bytes,
+        spec.name,
+        usage_context,
+        enable_chunked_prefill=enable_chunked_prefill,
+        max_model_len=max_model_len,
+    )
+    tokens = batch.max_num_batched_tokens if max_num_batched_tokens is None else max_num_batched_tokens
+    seqs = batch.max_num_seqs if max_num_seqs is None else max_num_seqs
+    check_count("max_num_batched_tokens", tokens)
+    check_count("max_num_seqs", seqs)
+    rows = min(seqs, tokens)
     act_dtype = weight_dtype if isinstance(weight_dtype, str) else "bf16"  # quantized weights compute in bf16
+    where = "chosen" if max_num_batched_tokens is None else "given"
+    if activation_bytes is None:
+        forward = forward_peak_bytes(config, tokens, act_dtype, tp=tp)
+        sampler = sampler_peak_bytes(config, rows)
+        forward_source = f"estimate, {tokens:,} batched tokens"
+        sampler_source = f"estimate, {rows:,} rows of logits"
+    else:
+        forward, sampler = activation_bytes, 0
+        forward_source, sampler_source = "measured (profiled forward and sampler)", "none counted"
+    graphs = 0 if enforce_eager or not estimate_cuda_graphs else cuda_graph_bytes(config, seqs, tokens, act_dtype, tp=tp)
     return MemoryBudget(
         capacity_bytes=spec.memory_bytes,
         gpu_memory_utilization=gpu_memory_utilization,
-        runtime_bytes=CUDA_CONTEXT_BYTES if runtime_bytes is None else runtime_bytes,
+        runtime_bytes=non_torch_bytes(tp) if runtime_bytes is None else runtime_bytes,
         weight_bytes=weight_bytes_per_gpu(config, weight_dtype, tp=tp, pp=pp),
-        activation_bytes=(
-            activation_workspace_bytes(config, max_num_batched_tokens, max_num_seqs, act_dtype, tp=tp)
-            if activation_bytes is None
-            else activation_bytes
-        ),
+        activation_bytes=forward,
         block_size=block_size,
         kv_bytes_per_token=kv_bytes_per_token(config, kv_dtype, tp=tp, pp=pp),
         runtime_source=(
-            f"default {format_bytes(CUDA_CONTEXT_BYTES)} (pytorch/pytorch#34323)"
+            f"estimate at TP={tp} (kvlab.budget.non_torch_bytes)"
             if runtime_bytes is None
-            else "measured (kvlab.measure.cuda_context_bytes)"
+            else "measured (vLLM's non_torch_memory)"
         ),
-        activation_source=(
-            f"estimate for {max_num_batched_tokens:,} batched tokens, {max_num_seqs} sampled rows"
-            if activation_bytes is None
-            else "measured (profiled forward)"
+        activation_source=forward_source,
+        driver_reserved_bytes=DRIVER_RESERVED_BYTES if driver_reserved_bytes is None else driver_reserved_bytes,
+        driver_reserved_source=(
+            "estimate: NVML's total less CUDA's (measured: torch.cuda.mem_get_info)"
+            if driver_reserved_bytes is None
+            else "measured: NVML's total less CUDA's"
+        ),
+        sampler_bytes=sampler,
+        sampler_source=sampler_source,
+        cuda_graph_bytes=graphs,
+        cuda_graph_source=f"estimate, {len(cuda_graph_sizes(seqs, tokens))} capture sizes (measured: vLLM's log)",
+        settings_note=(
+            f"max_num_batched_tokens {tokens:,} ({where}), max_num_seqs {seqs:,}"
+            + ("" if max_num_batched_tokens is not None and max_num_seqs is not None else f": {batch.describe()}")
         ),
     )
 
 
 @dataclass(frozen=True)
 class BudgetSettings:
-    """The engine settings a memory budget depends on, vLLM's names and defaults: what `kvlab size --gpu`,
-    `kvlab.plan` and `kvlab.diagnose` size the pool with, each keyword of `memory_budget` once."""
+    """The engine settings a memory budget depends on, vLLM's names and defaults (`kvlab.vllm_defaults`): what
+    `kvlab size --gpu`, `kvlab.plan` and `kvlab.diagnose` size the pool with, each keyword of `memory_budget`
+    once. `max_num_batched_tokens` and `max_num_seqs` left None are vLLM's choice for the GPU (`resolved`)."""
 
     kv_dtype: str = "bf16"
     weight_dtype: str | int = "bf16"
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
-    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
-    max_num_seqs: int = MAX_NUM_SEQS
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
     block_size: int = BLOCK_SIZE
     tp: int = 1
     pp: int = 1
+    usage_context: str = vllm_defaults.USAGE_CONTEXT
+    enable_chunked_prefill: bool = vllm_defaults.ENABLE_CHUNKED_PREFILL
+    max_model_len: int | None = None
+    enforce_eager: bool = False
+    estimate_cuda_graphs: bool = vllm_defaults.ESTIMATE_CUDA_GRAPHS
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "tp", "pp"):
+        for name in ("block_size", "tp", "pp"):
             check_count(name, getattr(self, name))
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) is not None:
+                check_count(name, getattr(self, name))
         if (
             not isinstance(self.gpu_memory_utilization, int | float)
             or not 0 < self.gpu_memory_utilization <= 1
@@ -281,6 +463,30 @@ class BudgetSettings:
             raise ValueError(
                 f"weight_dtype must be one of {', '.join(DTYPES)} or a bit count, got {self.weight_dtype!r}"
             )
+        if self.usage_context not in vllm_defaults.USAGE_CONTEXTS:
+            raise ValueError(
+                f"usage_context must be one of {', '.join(vllm_defaults.USAGE_CONTEXTS)}, got {self.usage_context!r}"
+            )
+
+    def resolved(self, gpu: str | hardware.Accelerator, config: PretrainedConfig | str | None = None) -> BudgetSettings:
+        """These settings with vLLM's `max_num_batched_tokens` and `max_num_seqs` for `gpu` filled in (the
+        model's `max_model_len` is needed, through `config`, when chunked prefill is off)."""
+        spec = hardware.get(gpu) if isinstance(gpu, str) else gpu
+        max_model_len = self.max_model_len
+        if max_model_len is None and not self.enable_chunked_prefill and config is not None:
+            max_model_len = shape(config).max_context
+        batch = vllm_defaults.batch_defaults(
+            spec.memory_bytes,
+            spec.name,
+            self.usage_context,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            max_model_len=max_model_len,
+        )
+        return dataclasses.replace(
+            self,
+            max_num_batched_tokens=self.max_num_batched_tokens or batch.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs or batch.max_num_seqs,
+        )
 
     def memory_budget(self, config: PretrainedConfig | str, gpu: str | hardware.Accelerator) -> MemoryBudget:
         """`memory_budget` of `config` on `gpu` at these settings."""
