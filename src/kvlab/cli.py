@@ -319,6 +319,12 @@ def _add_size_arguments(size: argparse.ArgumentParser) -> None:
     size.add_argument("--pp", type=_positive_int, help="pipeline stages: print the largest stage's GPU")
 
 
+def _add_explain_vllm_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("logfile", help="a vLLM server's start-up log (v1 or v0 format)")
+    p.add_argument("--model", help="the model, when the log prints no engine config line")
+    p.add_argument("--gpu-memory-gib", type=float, help="the GPU's total memory in GiB, when the log prints none")
+
+
 def _add_diagnose_arguments(p: argparse.ArgumentParser) -> None:
     from kvlab import diagnose
 
@@ -331,6 +337,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "size": ("KV cache and weight bytes for a model, context and batch", _add_size_arguments),
     "plan": ("capacity plan against latency targets (modelled: kvlab.simulate)", _add_plan_arguments),
     "diagnose": ("which KV-cache lever applies first to a workload, and why", _add_diagnose_arguments),
+    "explain-vllm": ("a vLLM start-up log's memory budget, term by term, beside kvlab's", _add_explain_vllm_arguments),
     "models": ("list the offline registry", lambda p: None),
     "sweep": ("run a lab over a parameter grid; glued scalars to CSV", sweep.add_arguments),
 }
@@ -360,6 +367,11 @@ def main(argv: list[str] | None = None) -> int:
             from kvlab import diagnose
 
             print(diagnose.diagnose(diagnose.deployment_from_args(args)).report())
+        elif args.command == "explain-vllm":
+            from kvlab import explain_vllm
+
+            total = None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * 2**30)
+            print(explain_vllm.main(args.logfile, args.model, total))
         elif args.command == "plan":
             print(plan_report(args))
         else:
