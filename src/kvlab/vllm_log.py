@@ -136,20 +136,20 @@ def parse(text: str) -> StartupLog:
     concurrency = re.search(rf"Maximum concurrency for {_NUMBER} tokens per request: ([\d.]+)x", text)
     v1_markers = ("V1 LLM engine", "GPU KV cache size", "Available KV cache memory", "kv_cache_utils.py")
     eager = _word(text, r"enforce_eager=(True|False)")
-    dtype = _word(text, r"\bdtype=(?:torch\.)?(\w+)")
+    dtype = _word(text, r"\bdtype(?:=|': ')(?:torch\.)?(\w+)")
     utilization = _word(text, r"gpu_memory_utilization(?:=| \(|'?: )(\d+(?:\.\d+)?)")
     return StartupLog(
         format="v1" if any(marker in text for marker in v1_markers) else "v0",
         vllm_version=_word(text, r"LLM engine \(v([^)\s]+)\)") or _word(text, r"API server version (\S+)"),
         model=_word(text, r"\bmodel='([^']+)'"),
         dtype=dtype,
-        max_seq_len=_int(text, r"max_seq_len=(\d+)"),
-        tensor_parallel_size=_int(text, r"tensor_parallel_size=(\d+)"),
-        kv_cache_dtype=_word(text, r"kv_cache_dtype=(\w+)"),
+        max_seq_len=_int(text, r"max_seq_len=(\d+)", r"'max_model_len': (\d+)", r"Using max model len (\d+)"),
+        tensor_parallel_size=_int(text, r"tensor_parallel_size(?:=|': )(\d+)"),
+        kv_cache_dtype=_word(text, r"kv_cache_dtype(?:=|': ')(\w+)"),
         enforce_eager=None if eager is None else eager == "True",
         block_size=_int(text, r"\bblock_size=(\d+)", r"Block size is set to (\d+)"),
         gpu_memory_utilization=None if utilization is None else float(utilization),
-        max_num_batched_tokens=_int(text, r"max_num_batched_tokens=(\d+)"),
+        max_num_batched_tokens=_int(text, r"max_num_batched_tokens(?:=|': )(\d+)"),
         total_gpu_memory=_size(text, rf"total_gpu_memory(?:=| \(){_NUMBER} ?(GiB)"),
         weights=_size(
             text,
