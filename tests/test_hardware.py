@@ -22,9 +22,45 @@ def test_spec_units_are_plausible(name):
     assert hw.host_link_bytes_per_s < hw.bandwidth_bytes_per_s, "PCIe is slower than device memory"
     if hw.interconnect_bytes_per_s is not None:
         assert hw.host_link_bytes_per_s < hw.interconnect_bytes_per_s <= hw.bandwidth_bytes_per_s
-    # Ridge points of data-centre GPUs sit between ~100 and ~500 FLOP/byte.
-    assert 100 <= hw.ridge_flops_per_byte <= 500
-    assert hw.source
+    # Ridge points sit between ~100 and ~500 FLOP/byte, except on parts whose compute was cut (H20, for export)
+    # or whose bf16 rate is halved (GeForce, FP32 accumulate): tens of FLOP/byte there.
+    assert 30 <= hw.ridge_flops_per_byte <= 500
+    if hw.fp8_flops is not None:
+        # the dense fp8 rate is twice the dense bf16/fp16 one on every part that has it (the L40S datasheet
+        # rounds its two figures differently: 733 against 2 x 362.05)
+        assert hw.fp8_flops == pytest.approx(2 * hw.flops, rel=0.02)
+    # every figure is cited: a datasheet URL, or a press report said to be one
+    assert "https://" in hw.source or "PRESS REPORT" in hw.source
+    assert hw.memory_source.startswith(hardware._SMI)
+
+
+# The parts readers deploy (issue 21, item 8), each figure as its source states it: driver MiB, datasheet GB,
+# bandwidth TB/s, dense bf16 and fp8 TFLOP/s, NVLink GB/s (None: no NVLink on the card alone).
+@pytest.mark.parametrize(
+    "name, mib, gb, tb_s, tflops, fp8, nvlink",
+    [("H800", 81559, 80, 3.35, 989.4, 1978.9, 400), ("A800-80GB", 81920, 80, 2.039, 312, None, 400),
+     ("H20", 97871, 96, 4.0, 148, 296, 900), ("L20", 46068, 48, 0.864, 119.5, 239, None),
+     ("L40S", 46068, 48, 0.864, 362.05, 733, None), ("RTX-4090", 24564, 24, 1.008, 165.2, 330.3, None),
+     ("RTX-3090", 24576, 24, 0.936, 71, None, None)],
+)  # fmt: skip
+def test_deployed_gpus(name, mib, gb, tb_s, tflops, fp8, nvlink):
+    hw = hardware.get(name)
+    assert (hw.memory_bytes, hw.datasheet_memory_bytes) == (mib * 2**20, gb * 10**9)
+    assert hw.bandwidth_bytes_per_s == pytest.approx(tb_s * 1e12)
+    assert hw.flops == pytest.approx(tflops * 1e12) and hw.flops_dtype == "bf16"
+    assert hw.fp8_flops == (None if fp8 is None else pytest.approx(fp8 * 1e12))
+    assert hw.interconnect_bytes_per_s == (None if nvlink is None else nvlink * 1e9)
+
+
+def test_the_h20_trades_compute_for_bandwidth():
+    # More bandwidth than an H100 SXM, about 15 % of its compute: a ridge an eighth as high.
+    h20, h100 = hardware.get("H20"), hardware.get("H100-SXM")
+    assert h20.bandwidth_bytes_per_s > h100.bandwidth_bytes_per_s
+    assert h20.flops / h100.flops == pytest.approx(0.15, abs=0.01)
+    assert h20.ridge_flops_per_byte == pytest.approx(37, abs=0.5)
+    assert h100.ridge_flops_per_byte / h20.ridge_flops_per_byte == pytest.approx(8.0, abs=0.1)
+    # the vendor publishes no H20 datasheet, and the entry says so
+    assert "PRESS REPORT" in h20.source and "PRESS REPORT" in hardware.get("L20").source
 
 
 def test_spec_table_known_values():
@@ -44,7 +80,10 @@ def test_spec_table_known_values():
 @pytest.mark.parametrize(
     "name, spec",
     [("NVIDIA H200", "H200"), ("NVIDIA H100 80GB HBM3", "H100-SXM"), ("NVIDIA H100 PCIe", "H100-PCIe"),
-     ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("Tesla T4", "T4"), ("NVIDIA GeForce RTX 4090", None)],
+     ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("Tesla T4", "T4"), ("NVIDIA GeForce RTX 4090", "RTX-4090"),
+     ("NVIDIA GeForce RTX 3090", "RTX-3090"), ("NVIDIA GeForce RTX 5090", None), ("NVIDIA RTX A6000", None),
+     ("NVIDIA H20", "H20"), ("NVIDIA H800", "H800"), ("NVIDIA A800-SXM4-80GB", "A800-80GB"),
+     ("NVIDIA L20", "L20"), ("NVIDIA L40S", "L40S"), ("NVIDIA L4", "L4")],
 )  # fmt: skip
 def test_gpu_names_map_to_spec_entries(name, spec):
     found = hardware.spec_for(name)

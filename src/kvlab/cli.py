@@ -211,6 +211,8 @@ def size_report(
     settings: budget.BudgetSettings | None = None,
     gpu: str | None = None,
     per_gpu: bool = False,
+    engine: str = "vllm",
+    mem_fraction_static: float | None = None,
 ) -> str:
     """The text `kvlab size` prints; with `gpu`, the memory budget line by line (`kvlab.budget`).
 
@@ -247,7 +249,9 @@ def size_report(
         f"weights      {format_bytes(weights)} ({s.weight_dtype})",
         f"weights + KV {format_bytes(weights + total)}",
     ]
-    if gpu is not None:
+    if gpu is not None and engine == "sglang":
+        lines += _sglang_lines(config, gpu, s, context, batch, mem_fraction_static)
+    elif gpu is not None:
         plan = s.memory_budget(config, gpu)
         if per_gpu and not plan.fits:
             raise ValueError(_no_fit(config, model, gpu, s, plan))
@@ -256,6 +260,35 @@ def size_report(
         lines += [f"on {hardware.get(gpu).name}: the memory budget", *plan.lines(context)]
         lines.append(f"  {_sequences(batch)} of {format_tokens(context)} tokens: {verdict} (room for {seqs})")
     return "\n".join(lines)
+
+
+def _sglang_lines(
+    config: PretrainedConfig | str,
+    gpu: str,
+    s: budget.BudgetSettings,
+    context: int,
+    batch: int,
+    mem_fraction_static: float | None,
+) -> list[str]:
+    """SGLang's pool on `gpu` at the settings' dtypes and parallel sizes (`kvlab.sglang`)."""
+    from kvlab import sglang
+
+    pool = sglang.sglang_pool(
+        config,
+        gpu,
+        kv_dtype=s.kv_dtype,
+        weight_dtype=s.weight_dtype,
+        mem_fraction_static=mem_fraction_static,
+        tp=s.tp,
+        pp=s.pp,
+    )
+    seqs = pool.max_sequences(context) if pool.fits else 0
+    verdict = "fits" if seqs >= batch else "does NOT fit"
+    return [
+        f"on {hardware.get(gpu).name}: SGLang {sglang.SGLANG_VERSION}'s pool",
+        *pool.lines(context),
+        f"  {_sequences(batch)} of {format_tokens(context)} tokens: {verdict} (room for {seqs})",
+    ]
 
 
 def _sequences(n: int) -> str:
@@ -317,6 +350,23 @@ def _add_size_arguments(size: argparse.ArgumentParser) -> None:
         "--tp", type=_positive_int, help="tensor-parallel GPUs: print what one GPU holds (vLLM's sharding)"
     )
     size.add_argument("--pp", type=_positive_int, help="pipeline stages: print the largest stage's GPU")
+    size.add_argument(
+        "--engine",
+        choices=["vllm", "sglang"],
+        default="vllm",
+        help="whose pool --gpu sizes: vLLM's budget, or SGLang's static fraction (kvlab.sglang)",
+    )
+    size.add_argument(
+        "--mem-fraction-static",
+        type=_fraction,
+        help="SGLang's --mem-fraction-static (default: SGLang's own choice for the GPU and TP size)",
+    )
+
+
+def _add_explain_vllm_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("logfile", help="a vLLM server's start-up log (v1 or v0 format)")
+    p.add_argument("--model", help="the model, when the log prints no engine config line")
+    p.add_argument("--gpu-memory-gib", type=float, help="the GPU's total memory in GiB, when the log prints none")
 
 
 def _add_explain_vllm_arguments(p: argparse.ArgumentParser) -> None:
@@ -376,7 +426,20 @@ def main(argv: list[str] | None = None) -> int:
             print(plan_report(args))
         else:
             per_gpu = args.tp is not None or args.pp is not None
-            print(size_report(args.model, args.context, args.batch, _settings(args), args.gpu, per_gpu))
+            if args.engine == "sglang" and args.gpu is None:
+                raise ValueError("--engine sglang sizes SGLang's pool on a GPU: give --gpu")
+            print(
+                size_report(
+                    args.model,
+                    args.context,
+                    args.batch,
+                    _settings(args),
+                    args.gpu,
+                    per_gpu,
+                    args.engine,
+                    args.mem_fraction_static,
+                )
+            )
     except (arch.UnknownModelError, arch.UnsupportedConfigError, ValueError) as err:
         print(f"kvlab: error: {err}", file=sys.stderr)
         return 2

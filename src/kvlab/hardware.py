@@ -190,6 +190,114 @@ _SPECS = [
         "https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200 per-GPU figures: 4.5 PFLOPS bf16 sparse)",
         fp8_flops=4500 * TFLOPS,
     ),
+    # The parts below are the ones readers deploy beside the datacentre flagships: the export variants sold in
+    # China (H800, A800, H20, L20) and the Ada/Ampere cards of small servers (L40S, RTX 4090, RTX 3090).
+    Accelerator(
+        "H800",
+        81559 * MiB,
+        80 * GB,
+        3.35 * TB,
+        989.4 * TFLOPS,
+        PCIE_X16_BYTES_PER_S[5],
+        400 * GB,
+        "H100 SXM column of https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet for "
+        "memory and compute; NVLink from DeepSeek-AI, 'Insights into DeepSeek-V3', arXiv:2505.09343, sec. 2",
+        memory_source=f"{_SMI} ('NVIDIA H800 ... 14MiB / 81559MiB' in public nvidia-smi logs)",
+        note="SXM5. NVIDIA no longer hosts an H800 datasheet: the part is the H100 SXM's silicon and clocks with "
+        "NVLink cut from 900 to 400 GB/s (and FP64 cut), so the H100 SXM figures stand for its memory and compute.",
+        fp8_flops=1978.9 * TFLOPS,
+    ),
+    Accelerator(
+        "A800-80GB",
+        81920 * MiB,
+        80 * GB,
+        2039 * GB,
+        312 * TFLOPS,
+        PCIE_X16_BYTES_PER_S[4],
+        400 * GB,
+        "A100 80GB SXM column of https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+        "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf; NVLink 400 GB/s as NVIDIA gave it at launch "
+        "(Reuters, 2022-11-08, via https://tweakers.net/nieuws/203182/)",
+        memory_source=f"{_SMI} ('NVIDIA A800-SXM4-80GB ... 81920MiB')",
+        note="SXM4. The A100's silicon, memory and clocks with NVLink cut from 600 to 400 GB/s (press report of "
+        "NVIDIA's own statement); the PCIe A800 80GB has 1,935 GB/s and no NVLink.",
+    ),
+    Accelerator(
+        "H20",
+        97871 * MiB,
+        96 * GB,
+        4.0 * TB,
+        148 * TFLOPS,
+        PCIE_X16_BYTES_PER_S[5],
+        900 * GB,
+        "PRESS REPORT, not a vendor datasheet: NVIDIA publishes none for the H20. Tom's Hardware, 2024-02, "
+        "https://www.tomshardware.com/pc-components/gpus/new-nvidia-ai-gpus-designed-to-get-around-us-export-"
+        "bans-come-to-china-h20-l20-and-l2-to-fill-void-left-by-restricted-models (the retailer Vipera's listing "
+        "of NVIDIA's spec sheet: 96 GB HBM3, 4.0 TB/s, BF16/FP16 148 and FP8 296 TFLOPS); NVLink 900 GB/s and "
+        "PCIe Gen5 from TweakTown, https://www.tweaktown.com/news/95224/",
+        memory_source=f"{_SMI} ('NVIDIA H20 ... 4MiB / 97871MiB', driver 550.144.03)",
+        note="HGX (SXM) module, Hopper with 78 SMs. The 148 TFLOPS are dense: FP8 is exactly twice, and a "
+        "measured 8k-square bf16 matmul reaches 142 TFLOPS (zzc0721/torch-performance-test-data#77). A 141 GB "
+        "HBM3e H20 also exists; this entry is the 96 GB part.",
+        fp8_flops=296 * TFLOPS,
+    ),
+    Accelerator(
+        "L20",
+        46068 * MiB,
+        48 * GB,
+        864 * GB,
+        119.5 * TFLOPS,
+        PCIE_X16_BYTES_PER_S[4],
+        None,
+        "PRESS REPORT, not a vendor datasheet: NVIDIA publishes none for the L20. Tom's Hardware, 2024-02 (same "
+        "article as the H20: 48 GB GDDR6 with ECC, 864 GB/s, BF16/FP16 119.5 and FP8 239 TFLOPS, PCIe)",
+        memory_source=f"{_SMI} ('NVIDIA L20 ... / 46068MiB', as for the L40S)",
+        note="PCIe Gen4 x16 card, Ada AD102 with 92 SMs; no NVLink. The 119.5 TFLOPS are dense (FP8 is twice).",
+        fp8_flops=239 * TFLOPS,
+    ),
+    Accelerator(
+        "L40S",
+        46068 * MiB,
+        48 * GB,
+        864 * GB,
+        362.05 * TFLOPS,
+        PCIE_X16_BYTES_PER_S[4],
+        None,
+        "https://www.nvidia.com/en-us/data-center/l40s/ (L40S datasheet: BF16 362.05 | 733 TFLOPS with "
+        "sparsity, FP8 733 | 1,466, PCIe Gen4 x16 64 GB/s bidirectional)",
+        memory_source=f"{_SMI} ('NVIDIA L40S ... 1MiB / 46068MiB')",
+        note="No NVLink.",
+        fp8_flops=733 * TFLOPS,
+    ),
+    Accelerator(
+        "RTX-4090",
+        24564 * MiB,
+        24 * GB,
+        1008 * GB,
+        165.2 * TFLOPS,
+        PCIE_X16_BYTES_PER_S[4],
+        None,
+        "NVIDIA Ada GPU architecture whitepaper, appendix table of the GeForce RTX 4090: "
+        "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf",
+        memory_source=f"{_SMI} ('NVIDIA GeForce RTX 4090 ... 1MiB / 24564MiB')",
+        note="GeForce: BF16 with FP32 accumulate (what PyTorch's bf16 matmul uses) runs at half the FP16-"
+        "accumulate rate, 165.2 of 330.3 dense TFLOPS; fp8 likewise 330.3 of 660.6. No NVLink.",
+        fp8_flops=330.3 * TFLOPS,
+    ),
+    Accelerator(
+        "RTX-3090",
+        24576 * MiB,
+        24 * GB,
+        936 * GB,
+        71 * TFLOPS,
+        PCIE_X16_BYTES_PER_S[4],
+        None,
+        "NVIDIA Ampere GA102 GPU architecture whitepaper, table of the GeForce RTX 3090: "
+        "https://www.nvidia.com/content/PDF/nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf",
+        memory_source=f"{_SMI} ('NVIDIA GeForce RTX 3090 ... 2MiB / 24576MiB')",
+        note="GeForce: BF16 with FP32 accumulate, 71 of 142 dense TFLOPS (FP16 accumulate); no fp8 tensor cores. "
+        "An NVLink bridge (112.5 GB/s) links pairs of cards; the table keeps the card alone.",
+    ),
 ]
 SPECS: dict[str, Accelerator] = {spec.name: spec for spec in _SPECS}
 
@@ -225,12 +333,21 @@ def get(name: str) -> Accelerator:
     raise UnknownAcceleratorError(f"unknown accelerator {name!r}; known: {', '.join(SPECS)}")
 
 
+def _family(key: str) -> list[str]:
+    """The words of a spec-table name up to its first with a digit: 'H100-SXM' -> H100, 'RTX-4090' -> RTX, 4090."""
+    words = key.upper().split("-")
+    first = next((i for i, word in enumerate(words) if any(c.isdigit() for c in word)), len(words) - 1)
+    return words[: first + 1]
+
+
 def spec_for(device_name: str) -> Accelerator | None:
     """The spec-table entry for a GPU by the name its driver reports, if any: its family in the name
     ('NVIDIA H200' -> H200), and among several of a family the variant named too ('H100 PCIe' -> H100-PCIe,
-    'A100-SXM4-80GB' -> A100-80GB), else the first listed (H100 -> H100-SXM)."""
+    'A100-SXM4-80GB' -> A100-80GB), else the first listed (H100 -> H100-SXM). A family is the name up to its
+    first word with a digit ('H100', 'RTX 4090'), so 'RTX 5090' or 'RTX A6000' match nothing."""
     name = device_name.upper().replace(" ", "-")
-    family = [spec for key, spec in SPECS.items() if key.upper().split("-")[0] in name.split("-")]
+    words = name.split("-")
+    family = [spec for key, spec in SPECS.items() if all(word in words for word in _family(key))]
     variant = [spec for spec in family if "-" in spec.name and spec.name.upper().split("-", 1)[1] in name]
     matches = variant or family
     return matches[0] if matches else None
