@@ -4,7 +4,13 @@ import pytest
 import torch
 from transformers import LogitsProcessorList
 
-from kvlab.agreement import check_tokens_close, compare_tokens, generate_with_top_k, top_k_ids
+from kvlab.agreement import (
+    check_outputs_close,
+    check_tokens_close,
+    compare_tokens,
+    generate_with_top_k,
+    top_k_ids,
+)
 from kvlab.models import tiny_model
 
 
@@ -130,3 +136,18 @@ def test_generate_with_top_k_rejects_bad_input(tiny):
         generate_with_top_k(tiny, torch.tensor([1, 2, 3]), 4, 2)
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         generate_with_top_k(tiny, torch.tensor([[1, 2, 3]]), 0, 2)
+
+
+def test_check_outputs_close_reads_each_runs_tokens_and_top_ids():
+    from types import SimpleNamespace
+
+    a = [SimpleNamespace(token_ids=[1, 2, 3], top_token_ids=[[1, 9], [2, 9], [3, 4]])]
+    near = [SimpleNamespace(token_ids=[1, 2, 4], top_token_ids=[[1, 9], [2, 9], [4, 3]])]
+    far = [SimpleNamespace(token_ids=[1, 2, 7], top_token_ids=[[1, 9], [2, 9], [7, 8]])]
+    (result,) = check_outputs_close(a, near, names=("a", "near"))
+    assert result.close and not result.exact
+    with pytest.raises(AssertionError, match="request 0: a vs far"):
+        check_outputs_close(a, far, names=("a", "far"))
+    untracked = [SimpleNamespace(token_ids=[1, 2, 4], top_token_ids=None)]
+    with pytest.raises(AssertionError):
+        check_outputs_close(a, untracked, names=("a", "untracked"))

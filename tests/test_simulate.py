@@ -230,3 +230,15 @@ def test_simulate_at_rates_is_one_simulation_per_rate():
     sweep = sim.simulate_at_rates(lambda r: trace(12, r, seed=1), [2.0, 50.0], cost, **knobs)
     assert sweep == [sim.simulate(trace(12, r, seed=1), cost, **knobs).summary() for r in (2.0, 50.0)]
     assert sweep[0]["p99_ttft_ms"] < sweep[1]["p99_ttft_ms"]
+
+
+def test_load_curve_is_one_row_per_rate_of_the_keys_asked_for():
+    cost = sim.LinearStepCost(1e-3, 1e-5)
+    knobs = dict(num_blocks=64, block_size=8, record_steps=False)
+    keys = ("p99_ttft_ms", "num_preemptions")
+    curve = sim.load_curve(lambda r: trace(12, r, seed=1), [2.0, 50.0], cost, keys, **knobs)
+    sweep = sim.simulate_at_rates(lambda r: trace(12, r, seed=1), [2.0, 50.0], cost, **knobs)
+    assert curve.shape == (2, 3)
+    assert curve.tolist() == [
+        [r, out["p99_ttft_ms"], out["num_preemptions"]] for r, out in zip((2.0, 50.0), sweep, strict=True)
+    ]

@@ -241,3 +241,29 @@ def test_kv_heads_and_tp_must_divide_one_another():
     config = models.tiny_config("llama", heads=12, kv_heads=4, hidden=96)
     with pytest.raises(ValueError, match="4 KV heads must divide one another"):
         sizing.kv_bytes_per_token(config, "bf16", tp=6)
+
+
+@pytest.mark.parametrize(
+    ("name", "shapes"),
+    [
+        ("meta-llama/Llama-3.1-8B", "2 × 8 × 128"),
+        ("tiiuae/falcon-7b", "2 × 1 × 64"),
+        ("deepseek-ai/DeepSeek-V3", "latent 512 + rope 64"),
+    ],
+)
+def test_cached_shapes_name_what_one_token_adds(name, shapes):
+    assert sizing.cached_shapes(name) == shapes
+
+
+def test_holders_name_ties_together():
+    llama = sizing.model_size("meta-llama/Llama-3.1-8B")
+    mistral = sizing.model_size("mistralai/Mistral-7B-v0.1")
+    falcon = sizing.model_size("tiiuae/falcon-7b")
+    group, text = sizing.holders([llama, falcon, mistral], llama.kv_bytes_per_token)
+    assert group == [llama, mistral]
+    assert text == (
+        "meta-llama/Llama-3.1-8B and mistralai/Mistral-7B-v0.1 (a tie: both have 32 layers of 2 × 8 × 128)"
+    )
+    assert sizing.holders([llama, falcon], falcon.kv_bytes_per_token) == ([falcon], "tiiuae/falcon-7b")
+    with pytest.raises(ValueError, match="no model of the 2 given needs 1 KV bytes per token"):
+        sizing.holders([llama, falcon], 1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from transformers import PreTrainedModel
@@ -105,8 +105,8 @@ def compare_tokens(
 def check_tokens_close(
     outputs_a: Sequence[Sequence[int]],
     outputs_b: Sequence[Sequence[int]],
-    top_a: Sequence[Sequence[Sequence[int]]] | None = None,
-    top_b: Sequence[Sequence[Sequence[int]]] | None = None,
+    top_a: Sequence[Sequence[Sequence[int]] | None] | None = None,
+    top_b: Sequence[Sequence[Sequence[int]] | None] | None = None,
     *,
     names: tuple[str, str] = ("A", "B"),
 ) -> list[Agreement]:
@@ -125,6 +125,29 @@ def check_tokens_close(
             raise AssertionError(f"request {i}: {names[0]} vs {names[1]}: {result.describe()}")
         results.append(result)
     return results
+
+
+class Generation(Protocol):
+    """What `check_outputs_close` reads of an output: the engine's `RequestOutput` has both."""
+
+    @property
+    def token_ids(self) -> list[int]: ...
+
+    @property
+    def top_token_ids(self) -> list[list[int]] | None: ...
+
+
+def check_outputs_close(
+    outputs_a: Sequence[Generation], outputs_b: Sequence[Generation], *, names: tuple[str, str]
+) -> list[Agreement]:
+    """`check_tokens_close` on two runs' outputs, request by request, with the top ids each run recorded."""
+    return check_tokens_close(
+        [o.token_ids for o in outputs_a],
+        [o.token_ids for o in outputs_b],
+        [o.top_token_ids for o in outputs_a],
+        [o.top_token_ids for o in outputs_b],
+        names=names,
+    )
 
 
 def eos_token_ids(model: PreTrainedModel) -> set[int]:

@@ -56,6 +56,11 @@ class LayerSpec(ABC):
         return 0
 
     @property
+    def cached_shape(self) -> str:
+        """What one token adds to this layer, as the sizing table writes it ("" where it caches nothing)."""
+        return ""
+
+    @property
     def key_dim(self) -> int:
         """Width of one head's key as the scores use it (0 where the layer has no attention)."""
         return 0
@@ -127,6 +132,12 @@ class FullAttention(LayerSpec):
         return self.kv_heads
 
     @property
+    def cached_shape(self) -> str:
+        if self.head_dim == self.v_head_dim:
+            return f"2 × {self.kv_heads} × {self.head_dim}"
+        return f"{self.kv_heads} × ({self.head_dim} + {self.v_head_dim})"
+
+    @property
     def key_dim(self) -> int:
         return self.head_dim
 
@@ -195,6 +206,10 @@ class MLAttention(LayerSpec):
     @property
     def cache_heads(self) -> int:
         return 1
+
+    @property
+    def cached_shape(self) -> str:
+        return f"latent {self.latent_dim} + rope {self.rope_dim}"
 
     def replicas(self, tp: int) -> int:
         """Every rank keeps the whole latent (vLLM's MLA, without decode context parallelism): `tp` copies."""

@@ -127,6 +127,11 @@ def bytes_axis(ax: Axes, axis: str = "y") -> None:
         )
 
 
+def step_series(ax: Axes, stats: Sequence[Any], field: str, *, color: str, label: str) -> None:
+    """One engine run's `field` of `StepStats`, step by step, as a thin line."""
+    ax.plot([s.step for s in stats], [getattr(s, field) for s in stats], color=color, lw=1.2, label=label)
+
+
 def predicted_vs_measured(
     ax: Axes,
     x: Sequence[float],

@@ -365,6 +365,18 @@ def simulate_at_rates(
     return [simulate(trace_at(rate), cost, **knobs).summary() for rate in rates]
 
 
+def load_curve(
+    trace_at: Callable[[float], Sequence[TraceRequest]],
+    rates: Sequence[float],
+    cost: StepCost | Callable[[Sequence[int], Sequence[int]], float],
+    keys: Sequence[str],
+    **knobs: Any,
+) -> np.ndarray:
+    """`simulate_at_rates` as an array: one row per rate, the rate and then each of `keys` of its summary."""
+    outs = simulate_at_rates(trace_at, rates, cost, **knobs)
+    return np.array([(rate, *(out[k] for k in keys)) for rate, out in zip(rates, outs, strict=True)])
+
+
 # --- measuring a real engine: what the simulator is validated against -------------------------------------------
 
 

@@ -266,6 +266,30 @@ def model_size(
     )
 
 
+def cached_shapes(config: PretrainedConfig | str) -> str:
+    """The distinct per-layer shapes one token adds, in layer order, e.g. "2 × 8 × 128" or two for a hybrid."""
+    shapes = [layer.cached_shape for layer in shape(config).spec.layers if layer.cached_shape]
+    return " / ".join(dict.fromkeys(shapes))
+
+
+def holders(sizes: list[ModelSize], kv_bytes_per_token: int) -> tuple[list[ModelSize], str]:
+    """The models of `sizes` whose cache per token is `kv_bytes_per_token`, and a phrase naming them.
+
+    Ties are named together; a tie of two models with the same layers and shapes says so."""
+    group = [s for s in sizes if s.kv_bytes_per_token == kv_bytes_per_token]
+    if not group:
+        raise ValueError(f"no model of the {len(sizes)} given needs {kv_bytes_per_token} KV bytes per token")
+    names = [s.name for s in group]
+    text = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+    layouts = {(s.layers, cached_shapes(s.name)) for s in group}
+    if len(group) == 2 and len(layouts) == 1:
+        ((num_layers, per_layer),) = layouts
+        text += f" (a tie: both have {num_layers} layers of {per_layer})"
+    elif len(group) > 1:
+        text += " (a tie)"
+    return group, text
+
+
 def rank_inversions(sizes: list[ModelSize]) -> list[tuple[ModelSize, ModelSize]]:
     """Pairs (small, big) where the model with fewer parameters needs more KV bytes per token."""
     return [
