@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -16,15 +18,19 @@ LLAMA3 = "meta-llama/Llama-3.1-8B"
 def test_terms_add_up_to_the_capacity():
     plan = budget.memory_budget(LLAMA3, "H100-SXM")
     assert plan.capacity_bytes == 81559 * MiB
-    assert plan.engine_cap_bytes == plan.capacity_bytes - int(plan.capacity_bytes * 0.9)
-    assert plan.runtime_bytes == budget.CUDA_CONTEXT_BYTES
+    cuda_total = plan.capacity_bytes - budget.DRIVER_RESERVED_BYTES
+    # vLLM's request_memory: ceil(CUDA's total × utilisation), 0.92 by default in 0.33.
+    assert plan.requested_bytes == math.ceil(cuda_total * 0.92)
+    assert plan.runtime_bytes == budget.non_torch_bytes(1)
     assert plan.weight_bytes == sizing.weight_bytes(LLAMA3)
     assert plan.block_bytes == 16 * 131_072
     parts = (
-        plan.engine_cap_bytes
+        plan.driver_reserved_bytes
+        + plan.engine_cap_bytes
         + plan.runtime_bytes
         + plan.weight_bytes
-        + plan.activation_bytes
+        + plan.peak_bytes
+        + plan.cuda_graph_bytes
         + plan.rounding_bytes
         + plan.kv_pool_bytes
     )
@@ -33,6 +39,55 @@ def test_terms_add_up_to_the_capacity():
     # Less than "capacity minus weights", which is what the chapters used to give the cache.
     assert plan.kv_pool_bytes < plan.capacity_bytes - plan.weight_bytes
     assert plan.max_sequences(8192) == plan.num_blocks // 512
+
+
+def test_profile_peak_is_the_larger_of_forward_and_sampler():
+    # vLLM 0.33 on an H100 under `vllm serve`: 8,192 batched tokens, 1,024 sampled rows.
+    plan = budget.memory_budget(LLAMA3, "H100-SXM")
+    assert plan.activation_bytes == budget.forward_peak_bytes(LLAMA3, 8192)
+    assert plan.sampler_bytes == budget.sampler_peak_bytes(LLAMA3, 1024)
+    assert plan.peak_bytes == max(plan.activation_bytes, plan.sampler_bytes)
+    offline = budget.memory_budget(LLAMA3, "H100-SXM", usage_context="llm")
+    assert offline.activation_bytes == budget.forward_peak_bytes(LLAMA3, 16384) > plan.activation_bytes
+
+
+def test_chunked_prefill_off_profiles_a_whole_prompt():
+    on = budget.memory_budget(LLAMA3, "L4", max_model_len=32768)
+    off = budget.memory_budget(LLAMA3, "L4", max_model_len=32768, enable_chunked_prefill=False)
+    assert on.activation_bytes == budget.forward_peak_bytes(LLAMA3, 2048)
+    assert off.activation_bytes == budget.forward_peak_bytes(LLAMA3, 32768)
+    assert off.kv_pool_bytes < on.kv_pool_bytes
+
+
+def test_cuda_graphs_charged_unless_eager_or_switched_off():
+    plan = budget.memory_budget(LLAMA3, "H100-SXM")
+    assert plan.cuda_graph_bytes > 50 * budget.CUDA_GRAPH_BYTES
+    assert budget.memory_budget(LLAMA3, "H100-SXM", enforce_eager=True).cuda_graph_bytes == 0
+    unset = budget.memory_budget(LLAMA3, "H100-SXM", estimate_cuda_graphs=False)
+    assert unset.cuda_graph_bytes == 0 and unset.num_blocks > plan.num_blocks
+
+
+def test_capture_sizes_follow_vllm():
+    sizes = budget.cuda_graph_sizes(max_num_seqs=256, max_num_batched_tokens=8192)
+    assert sizes[:4] == [1, 2, 4, 8] and sizes[-2:] == [496, 512] and len(sizes) == 51
+    assert budget.cuda_graph_sizes(max_num_seqs=4, max_num_batched_tokens=8192) == [1, 2, 4, 8]
+    assert budget.cuda_graph_sizes(max_num_seqs=256, max_num_batched_tokens=100)[-1] == 100
+
+
+def test_non_torch_memory_grows_at_tp():
+    assert budget.non_torch_bytes(2) > 4 * budget.non_torch_bytes(1)
+    plan = budget.memory_budget("meta-llama/Llama-3.1-70B", "H100-SXM", tp=4)
+    assert plan.runtime_bytes == budget.non_torch_bytes(4)
+
+
+def test_every_estimated_term_is_labelled():
+    lines = budget.memory_budget(LLAMA3, "H100-SXM").lines(8192)
+    for label in ("driver reserve", "non-torch memory", "activations", "CUDA graphs"):
+        (line,) = [line for line in lines if label in line]
+        assert "estimate" in line, line
+    assert any("vllm/engine/arg_utils.py" in line for line in lines)
+    measured = budget.memory_budget(LLAMA3, "H100-SXM", runtime_bytes=MiB, activation_bytes=GiB)
+    assert "estimate" not in next(line for line in measured.lines() if "activations" in line)
 
 
 def test_reproduces_vllms_logged_kv_cache_size():

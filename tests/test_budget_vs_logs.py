@@ -59,7 +59,9 @@ def _gpu(entry: dict) -> hardware.Accelerator | None:
     spec = hardware.spec_for(name)
     if total:
         # CUDA's own total, as the log prints it: the capacity, with nothing reserved on top.
-        base = spec or hardware.Accelerator(name, int(total), int(total), 1.0, 1.0, 1.0, None, "the log's total")
+        base = spec or hardware.Accelerator(
+            name, int(total), int(total), 1.0, 1.0, 1.0, None, "the log's total"
+        )
         return dataclasses.replace(base, memory_bytes=int(total))
     return spec
 

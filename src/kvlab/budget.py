@@ -120,7 +120,9 @@ def sampler_peak_bytes(config: PretrainedConfig | str, num_seqs: int) -> int:
     return check_count("num_seqs", num_seqs) * shape(config).vocab_size * SAMPLER_BYTES_PER_LOGIT
 
 
-def forward_peak_bytes(config: PretrainedConfig | str, num_tokens: int, dtype: str = "bf16", tp: int = 1) -> int:
+def forward_peak_bytes(
+    config: PretrainedConfig | str, num_tokens: int, dtype: str = "bf16", tp: int = 1
+) -> int:
     """Estimated activation peak of vLLM's dummy forward over `num_tokens` tokens: `activation_workspace_bytes`
     with one sampled row (the logits belong to the sampler's run)."""
     return activation_workspace_bytes(config, num_tokens, 1, dtype, tp=tp)
@@ -285,9 +287,7 @@ class MemoryBudget:
             return self.activation_source
         forward, sampler = format_bytes(self.activation_bytes), format_bytes(self.sampler_bytes)
         larger = "forward" if self.activation_bytes >= self.sampler_bytes else "sampler"
-        return (
-            f"the {larger}'s: forward {forward} ({self.activation_source}), sampler {sampler} ({self.sampler_source})"
-        )
+        return f"the {larger}'s: forward {forward} ({self.activation_source}), sampler {sampler} ({self.sampler_source})"
 
 
 def activation_workspace_bytes(
@@ -394,7 +394,11 @@ def memory_budget(
     else:
         forward, sampler = activation_bytes, 0
         forward_source, sampler_source = "measured (profiled forward and sampler)", "none counted"
-    graphs = 0 if enforce_eager or not estimate_cuda_graphs else cuda_graph_bytes(config, seqs, tokens, act_dtype, tp=tp)
+    graphs = (
+        0
+        if enforce_eager or not estimate_cuda_graphs
+        else cuda_graph_bytes(config, seqs, tokens, act_dtype, tp=tp)
+    )
     return MemoryBudget(
         capacity_bytes=spec.memory_bytes,
         gpu_memory_utilization=gpu_memory_utilization,
@@ -409,7 +413,9 @@ def memory_budget(
             else "measured (vLLM's non_torch_memory)"
         ),
         activation_source=forward_source,
-        driver_reserved_bytes=DRIVER_RESERVED_BYTES if driver_reserved_bytes is None else driver_reserved_bytes,
+        driver_reserved_bytes=DRIVER_RESERVED_BYTES
+        if driver_reserved_bytes is None
+        else driver_reserved_bytes,
         driver_reserved_source=(
             "estimate: NVML's total less CUDA's (measured: torch.cuda.mem_get_info)"
             if driver_reserved_bytes is None
@@ -421,7 +427,11 @@ def memory_budget(
         cuda_graph_source=f"estimate, {len(cuda_graph_sizes(seqs, tokens))} capture sizes (measured: vLLM's log)",
         settings_note=(
             f"max_num_batched_tokens {tokens:,} ({where}), max_num_seqs {seqs:,}"
-            + ("" if max_num_batched_tokens is not None and max_num_seqs is not None else f": {batch.describe()}")
+            + (
+                ""
+                if max_num_batched_tokens is not None and max_num_seqs is not None
+                else f": {batch.describe()}"
+            )
         ),
     )
 
@@ -468,9 +478,11 @@ class BudgetSettings:
                 f"usage_context must be one of {', '.join(vllm_defaults.USAGE_CONTEXTS)}, got {self.usage_context!r}"
             )
 
-    def resolved(self, gpu: str | hardware.Accelerator, config: PretrainedConfig | str | None = None) -> BudgetSettings:
-        """These settings with vLLM's `max_num_batched_tokens` and `max_num_seqs` for `gpu` filled in (the
-        model's `max_model_len` is needed, through `config`, when chunked prefill is off)."""
+    def batch_limits(
+        self, gpu: str | hardware.Accelerator, config: PretrainedConfig | str | None = None
+    ) -> tuple[int, int]:
+        """(max_num_batched_tokens, max_num_seqs) at these settings on `gpu`: the given ones, else vLLM's
+        choice (the model's `max_model_len` is needed, through `config`, when chunked prefill is off)."""
         spec = hardware.get(gpu) if isinstance(gpu, str) else gpu
         max_model_len = self.max_model_len
         if max_model_len is None and not self.enable_chunked_prefill and config is not None:
@@ -482,10 +494,9 @@ class BudgetSettings:
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_model_len=max_model_len,
         )
-        return dataclasses.replace(
-            self,
-            max_num_batched_tokens=self.max_num_batched_tokens or batch.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs or batch.max_num_seqs,
+        return (
+            self.max_num_batched_tokens or batch.max_num_batched_tokens,
+            self.max_num_seqs or batch.max_num_seqs,
         )
 
     def memory_budget(self, config: PretrainedConfig | str, gpu: str | hardware.Accelerator) -> MemoryBudget:

@@ -413,7 +413,8 @@ def _reservation_waste(s: Situation) -> tuple[float, bool, str]:
 
 def batching(s: Situation) -> Lever:
     """7. Does `max_num_seqs` cap the batch below the load while the pool has room?"""
-    cap, in_flight = s.deployment.settings.max_num_seqs, s.in_flight
+    d = s.deployment
+    cap, in_flight = d.settings.batch_limits(d.gpu, d.model)[1], s.in_flight
     room = s.pool // max(1, math.ceil(s.workload.mean_resident))
     applies = s.memory.fits and in_flight > cap and room > cap
     if applies:

@@ -9,7 +9,7 @@ Sizing with `num_blocks=None` follows vLLM's startup (vLLM 0.33.0 `vllm/v1/worke
 capacity take the engine cap, the memory outside PyTorch, the weights (measured from the model's tensors) and the
 peak activation of a profiled forward over `max_num_batched_tokens` tokens; whole blocks of the rest hold KV. On a
 GPU the capacity is the device's TOTAL memory (`torch.cuda.mem_get_info`) with vLLM's `gpu_memory_utilization`
-of 0.9 and the measured CUDA context (`kvlab.measure.cuda_context_bytes`); on CPU, or when `memory_budget_bytes`
+of vLLM's default (kvlab.vllm_defaults) and the measured CUDA context (`kvlab.measure.cuda_context_bytes`); on CPU, or when `memory_budget_bytes`
 is given, the capacity is that budget, all of it usable (utilisation 1.0, no runtime term).
 
 Hybrid models (sliding and full layers, Gemma 3) get one block table per KV-cache group (`kvlab.paging.
@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
+from kvlab import vllm_defaults
 from kvlab.agreement import top_k_ids
 from kvlab.budget import MemoryBudget
 from kvlab.config import EngineConfig
@@ -48,7 +49,7 @@ from kvlab.units import format_bytes
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_BUDGET = 256 * 2**20  # bytes of "device" memory the engine may use on CPU
-GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of GPU memory
+GPU_MEMORY_UTILIZATION = vllm_defaults.GPU_MEMORY_UTILIZATION  # vLLM's default share of GPU memory
 
 
 class Runner(Protocol):
@@ -133,7 +134,7 @@ class ModelRunner:
         """KV blocks that fit in the memory budget after the weights and a `tokens`-token forward's peak
         activation, computed by `kvlab.budget.MemoryBudget` (kept as `self.memory_budget`, logged line by line).
 
-        `budget=None`: on a GPU, total device memory × 0.9 less the CUDA context (vLLM's default); on CPU,
+        `budget=None`: on a GPU, total device memory × vLLM's default gpu_memory_utilization less the CUDA context; on CPU,
         `DEFAULT_CPU_BUDGET`. A given `budget` is used whole (utilisation 1.0, no runtime term)."""
         if budget is None and self.device.type == "cuda":
             _, total = torch.cuda.mem_get_info(self.device)

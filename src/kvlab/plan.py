@@ -299,6 +299,8 @@ def plan(
     except ValueError as err:
         raise PlanError(str(err)) from None
     mb = settings.memory_budget(config, acc)
+    # The simulated engine runs at the limits the budget was sized at: vLLM's choice for this GPU when unset.
+    max_num_batched_tokens, max_num_seqs = settings.batch_limits(acc, config)
     layout = f"tp={tp}" + (f", pp={pp}" if pp > 1 else "")
     if not mb.fits:
         short = sizing.weight_bytes_per_gpu(config, weight_dtype, tp=tp, pp=pp)
@@ -347,8 +349,8 @@ def plan(
             cost,
             num_blocks=blocks_per_scheduler,
             block_size=mb.block_size,
-            max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=context,
             enable_prefix_caching=caching,
             concurrency=concurrency,

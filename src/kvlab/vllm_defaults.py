@@ -74,7 +74,10 @@ LARGE = BatchTier(
     "large", ">= 160 GiB (B200, B300)", {"llm": 16384, "serve": 16384}, {"llm": 1024, "serve": 1024}
 )
 BIG = BatchTier(
-    "big", ">= 70 GiB, not an A100 or GB10 (H100, H200)", {"llm": 16384, "serve": 8192}, {"llm": 1024, "serve": 1024}
+    "big",
+    ">= 70 GiB, not an A100 or GB10 (H100, H200)",
+    {"llm": 16384, "serve": 8192},
+    {"llm": 1024, "serve": 1024},
 )
 OTHER = BatchTier("other", "every other GPU", {"llm": 8192, "serve": 2048}, {"llm": 256, "serve": 256})
 TIERS = (LARGE, BIG, OTHER)
@@ -140,6 +143,14 @@ def batch_defaults(
             tokens = max(max_model_len, tokens)
         tokens = min(seqs * max_model_len, tokens)
     return BatchDefaults(tokens, min(seqs, tokens), tier, usage_context, enable_chunked_prefill)
+
+
+def describe(setting: str) -> str:
+    """One setting's default and the file it is set in, e.g. "0.92 (vllm/config/cache.py)"."""
+    found = {name: f"{value} ({where})" for name, value, where in rows()}
+    if setting not in found:
+        raise ValueError(f"no vLLM default recorded for {setting!r}; known: {', '.join(found)}")
+    return found[setting]
 
 
 def rows() -> list[tuple[str, str, str]]:
