@@ -135,8 +135,11 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--weight-dtype", default="bf16", choices=budget.DTYPES)
     p.add_argument("--kv-dtype", default="bf16", choices=budget.DTYPES)
-    p.add_argument("--max-num-seqs", type=_positive_int, default=budget.MAX_NUM_SEQS)
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=budget.MAX_NUM_BATCHED_TOKENS)
+    p.add_argument("--max-num-seqs", type=_positive_int, help="default: vLLM's for the GPU (kvlab.vllm_defaults)")
+    p.add_argument(
+        "--max-num-batched-tokens", type=_positive_int, help="default: vLLM's for the GPU (kvlab.vllm_defaults)"
+    )
+    p.add_argument("--usage-context", choices=["serve", "llm"], help="vllm serve (default) or the LLM class")
     p.add_argument("--block-size", type=_positive_int, default=budget.BLOCK_SIZE)
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=budget.GPU_MEMORY_UTILIZATION)
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
@@ -335,7 +338,7 @@ def _add_size_arguments(size: argparse.ArgumentParser) -> None:
         "--gpu-memory-utilization",
         type=_fraction,
         default=budget.GPU_MEMORY_UTILIZATION,
-        help="share of the GPU the engine may use (vLLM's default: 0.9)",
+        help=f"share of the GPU the engine may use (vLLM's default: {budget.GPU_MEMORY_UTILIZATION})",
     )
     size.add_argument(
         "--block-size", type=_positive_int, default=budget.BLOCK_SIZE, help="tokens per KV block"
@@ -343,9 +346,9 @@ def _add_size_arguments(size: argparse.ArgumentParser) -> None:
     size.add_argument(
         "--max-num-batched-tokens",
         type=_positive_int,
-        default=budget.MAX_NUM_BATCHED_TOKENS,
-        help="largest token batch of a step (sizes the activation workspace)",
+        help="largest token batch of a step (sizes the activation peak); default: vLLM's for the GPU",
     )
+    size.add_argument("--usage-context", choices=["serve", "llm"], help="vllm serve (default) or the LLM class")
     size.add_argument(
         "--tp", type=_positive_int, help="tensor-parallel GPUs: print what one GPU holds (vLLM's sharding)"
     )

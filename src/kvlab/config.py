@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from kvlab import vllm_defaults
 from kvlab.kv_format import pool_format
 from kvlab.scheduler import SchedulerConfig, Scheduling
 
@@ -25,16 +26,16 @@ KVLayout = Literal["paged", "contiguous"]
 
 @dataclass(frozen=True)
 class EngineConfig:
-    block_size: int = 16
+    block_size: int = vllm_defaults.BLOCK_SIZE
     num_blocks: int | None = None  # None: as many as the memory budget leaves
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool | None = None  # None: on for the paged layout, off for the contiguous one
     scheduling: Scheduling = "continuous"
     max_model_len: int | None = None  # None: the model's limit, capped by the pool
-    memory_budget_bytes: int | None = None  # None: 256 MiB on CPU, 90% of the device memory on a GPU
+    memory_budget_bytes: int | None = None  # None: 256 MiB on CPU, vLLM's gpu_memory_utilization on a GPU
     kv_layout: KVLayout = "paged"
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = vllm_defaults.ENABLE_CHUNKED_PREFILL
     scheduler_reserve_full_isl: bool = False  # True: admit only when the whole prompt's blocks are free
     kv_cache_dtype: str = (
         "auto"  # "auto": the model's dtype; "fp8" (e4m3) or "int8": 1 byte + scales (kvlab.quant)
@@ -73,16 +74,19 @@ class EngineConfig:
 # gpu_memory_utilization), vllm/config/scheduler.py (enable_chunked_prefill, scheduler_reserve_full_isl,
 # policy), vllm/engine/arg_utils.py (per-GPU max_num_seqs / max_num_batched_tokens).
 VLLM_DEFAULTS: dict[str, str] = {
-    "block_size": "None: chosen by the platform, 16 on CUDA (vllm/config/cache.py)",
-    "num_blocks": "total × gpu_memory_utilization (0.92 in vllm/config/cache.py) − weights − activations − non-torch",
-    "max_num_seqs": "256; 1024 on GPUs of >= 70 GiB but A100 (vllm/engine/arg_utils.py get_batch_defaults)",
-    "max_num_batched_tokens": "2048 serving / 8192 LLM class; 8192 / 16384 on H100-H200; 16384 from 160 GiB",
-    "enable_prefix_caching": "True (vllm/config/cache.py)",
+    "block_size": vllm_defaults.describe("block_size"),
+    "num_blocks": (
+        f"CUDA's total × gpu_memory_utilization ({vllm_defaults.describe('gpu_memory_utilization')}) − weights"
+        " − activation peak − non-torch − CUDA graphs (kvlab.budget)"
+    ),
+    "max_num_seqs": vllm_defaults.describe("max_num_seqs"),
+    "max_num_batched_tokens": vllm_defaults.describe("max_num_batched_tokens"),
+    "enable_prefix_caching": vllm_defaults.describe("enable_prefix_caching"),
     "scheduling": "continuous; --scheduling-policy fcfs (vllm/config/scheduler.py)",
     "max_model_len": "the model's max_position_embeddings",
     "memory_budget_bytes": "--kv-cache-memory-bytes unset: sized from gpu_memory_utilization",
     "kv_layout": "paged (vLLM has no contiguous layout)",
-    "enable_chunked_prefill": "True (vllm/config/scheduler.py)",
-    "scheduler_reserve_full_isl": "True (vllm/config/scheduler.py)",
-    "kv_cache_dtype": "auto: the model's dtype (vllm/config/cache.py CacheDType)",
+    "enable_chunked_prefill": vllm_defaults.describe("enable_chunked_prefill"),
+    "scheduler_reserve_full_isl": vllm_defaults.describe("scheduler_reserve_full_isl"),
+    "kv_cache_dtype": vllm_defaults.describe("kv_cache_dtype"),
 }
