@@ -230,7 +230,9 @@ def test_box_names_a_command_and_a_kvlab_figure(page):
     command = re.search(r"^\$ (vllm (serve|bench) |curl .*localhost:8000/)|\bLLM\(", box, re.M)
     assert command, "a command to run against vLLM"
     assert "**Compare**" in box, "the box says what to compare"
-    figure = re.search(r"Figure \d+\.\d+|\{glue:text\}`lab\.ipynb::\w+|`kvlab (size|plan|diagnose)\b", box)
+    figure = re.search(
+        r"Figure \d+\.\d+|\{glue:text\}`lab\.ipynb::\w+|`kvlab (size|plan|diagnose|explain-vllm)\b", box
+    )
     assert figure, "the box names the kvlab figure, glued number or CLI command to compare with"
     assert VLLM_033 in box, "the box links the vLLM 0.33.0 source it relies on"
 
