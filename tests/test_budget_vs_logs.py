@@ -137,8 +137,30 @@ def predict(entry: dict) -> Row | None:
     return Row(slug, printed, mb.kv_headroom_bytes, why)
 
 
+# A v1 log on an H100 quoted in tests/test_budget.py (llm-d/llm-d-benchmark,
+# config_explorer/empirical-vllm-memory-results.md): CUDA's total 79.18 GiB, Llama-3.1-8B, utilisation 0.9,
+# weights 14.99 GiB, non-torch 0.13 GiB, activation peak 4.76 GiB, "Available KV cache memory: 51.38 GiB".
+LLM_D_H100 = {
+    "slug": "llm-d-h100-llama31-8b",
+    "vllm_version": "0.10",
+    "format": "v1",
+    "model": "meta-llama/Llama-3.1-8B",
+    "gpu": "NVIDIA H100 80GB HBM3",
+    "gpu_total_bytes": round(79.18 * GiB),
+    "tp": 1,
+    "gpu_memory_utilization": 0.9,
+    "printed": {
+        "weights_bytes": round(14.99 * GiB),
+        "non_torch_bytes": round(0.13 * GiB),
+        "activation_peak_bytes": round(4.76 * GiB),
+        "available_kv_bytes": round(51.38 * GiB),
+    },
+}
+
+
 def _rows() -> list[Row]:
-    return [row for entry in json.loads(INDEX.read_text()) if (row := predict(entry)) is not None]
+    entries = [*json.loads(INDEX.read_text()), LLM_D_H100]
+    return [row for entry in entries if (row := predict(entry)) is not None]
 
 
 ROWS = _rows() if INDEX.exists() else []

@@ -121,9 +121,11 @@ def test_agentic_long_context_fires_true_capacity():
 
 def test_a_model_that_does_not_fit_goes_to_topology_first():
     d = diagnose(Deployment("meta-llama/Llama-3.1-70B", "H100-SXM", 500, 300, concurrency=16))
-    assert d.first is not None and d.first.step == 9 and d.first.numbers["tp_fit"] == 2
+    # vLLM 0.33's conservative budget: at TP=2 the sampler's 1,024 rows, NCCL and the CUDA graphs leave no block.
+    assert d.first is not None and d.first.step == 9 and d.first.numbers["tp_fit"] == 4
     assert [lever.step for lever in d.levers if lever.applies] == [9]
-    assert budget.memory_budget("meta-llama/Llama-3.1-70B", "H100-SXM", tp=2).fits
+    assert budget.memory_budget("meta-llama/Llama-3.1-70B", "H100-SXM", tp=4).fits
+    assert not budget.memory_budget("meta-llama/Llama-3.1-70B", "H100-SXM", tp=2).fits
 
 
 def test_rate_becomes_requests_in_flight_by_littles_law():
@@ -210,7 +212,7 @@ def test_resident_tokens_weight_requests_by_their_output_length():
 
 
 def situation(in_flight, **fields):
-    """The situation of a Llama-3.1-8B deployment on an H100 (pool: 449,216 tokens) at a chosen load."""
+    """The situation of a Llama-3.1-8B deployment on an H100 (pool: 410,064 tokens) at a chosen load."""
     d = Deployment(LLAMA, "H100-SXM", fields.pop("mean_input", 160), fields.pop("mean_output", 340), **fields)
     s = D.situation(d)
     return dataclasses.replace(s, in_flight=float(in_flight))
@@ -222,11 +224,11 @@ POOL = budget.memory_budget(LLAMA, "H100-SXM").max_tokens()
 def test_the_levers_are_the_books_nine_steps_in_order():
     s = situation(8, concurrency=8)
     assert [lever(s).step for lever in D.LEVERS] == list(range(1, 10))
-    assert POOL == 449_216
+    assert POOL == 410_064
 
 
 def test_context_statistics_fires_between_the_worst_case_and_the_typical_bound():
-    # 449,216 tokens: 3 requests of 131,072 (the worst case), 898 of 500 (the typical one).
+    # 410,064 tokens: 3 requests of 131,072 (the worst case), 820 of 500 (the typical one).
     assert D.context_statistics(situation(48, concurrency=48)).applies
     assert not D.context_statistics(situation(2, concurrency=2)).applies  # the worst case covers 2
     assert not D.context_statistics(situation(900, concurrency=900)).applies  # past what lengths allow

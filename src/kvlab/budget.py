@@ -72,8 +72,11 @@ NON_TORCH_BYTES_TP = 2304 * MiB
 # The sampler's dummy batch, bytes per logit alive at its peak in 0.33 (vllm/v1/sample/sampler.py and
 # ops/topk_topp_sampler.py forward_native, Triton top-k/top-p): the bf16 logits (2), their fp32 copy (4), the
 # probabilities (4) and the exponential noise (4), rounded up for kernel scratch. The PyTorch path, taken without
-# Triton (and by older versions), sorts: values (4) and int64 indices (8) more.
-SAMPLER_BYTES_PER_LOGIT = 16
+# Triton (and by older versions), sorts: values (4) and int64 indices (8) more. A published v1 log measured a
+# 4.76 GiB peak for Llama-3.1-8B at 1,024 rows of its 128,256-token vocabulary, 39 B a logit
+# (llm-d/llm-d-benchmark, config_explorer/empirical-vllm-memory-results.md): kvlab charges 40 so the pool stays a
+# lower bound there too.
+SAMPLER_BYTES_PER_LOGIT = 40
 # One captured CUDA graph beyond the first: about 24 MiB for a FULL graph (vllm-project/vllm#50780), 23 MiB
 # averaged over 16 PIECEWISE graphs (gpustack/runner#251: 0.36 GiB).
 CUDA_GRAPH_BYTES = 24 * MiB
