@@ -1,0 +1,57 @@
+"""The exercise answers of chapters 10-15 and the appendix, recomputed by kvlab now.
+
+Each chapter page folds its answers in ```{dropdown} Answer``` blocks. These tests read the answers from the
+page and assert that the numbers kvlab computes today, formatted as the page writes them, appear there, so that
+a change to kvlab that moves an answer fails here instead of leaving the page wrong. Offline and fast: registry
+configs on the meta device, no forward passes.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kvlab import budget, sizing
+from kvlab.units import format_bytes
+
+BOOK = Path(__file__).resolve().parents[1] / "book"
+ANSWER = re.compile(r"```\{dropdown\} Answer\n(.*?)\n```", re.S)
+
+
+def answers(chapter: str) -> list[str]:
+    """The text of each folded answer on a chapter's page, in order."""
+    found = ANSWER.findall((BOOK / chapter / "index.md").read_text())
+    assert found, f"{chapter}: no ```{{dropdown}} Answer``` block"
+    return found
+
+
+def assert_in(answer: str, *numbers: str) -> None:
+    for number in numbers:
+        assert number in answer, f"the answer should say {number!r}: {answer!r}"
+
+
+def test_every_chapter_has_two_or_three_answered_exercises() -> None:
+    for chapter in ("10_weights_not_cache", "11_kv_quantization", "12_beyond_hbm", "13_many_gpus",
+                    "14_capacity_planning", "15_where_to_start"):
+        assert 2 <= len(answers(chapter)) <= 3, chapter
+
+
+def test_ch10_crossover_context_of_qwen_at_batch_8() -> None:
+    bf16 = sizing.crossover_context("Qwen/Qwen2.5-7B", 8)
+    four_bit = sizing.crossover_context("Qwen/Qwen2.5-7B", 8, weight_dtype=4)
+    assert bf16 is not None and four_bit is not None
+    assert_in(answers("10_weights_not_cache")[0], f"{bf16:,} tokens", f"{four_bit:,} tokens")
+
+
+def test_ch10_long_sequences_with_4_bit_weights() -> None:
+    bf16 = budget.memory_budget("meta-llama/Llama-3.1-8B", "H100-SXM", weight_dtype="bf16")
+    four_bit = budget.memory_budget("meta-llama/Llama-3.1-8B", "H100-SXM", weight_dtype=4)
+    assert_in(
+        answers("10_weights_not_cache")[1],
+        f"{bf16.max_sequences(32768)} with bf16",
+        f"{four_bit.max_sequences(32768)} with 4-bit",
+        format_bytes(bf16.kv_pool_bytes),
+        format_bytes(four_bit.kv_pool_bytes),
+    )
