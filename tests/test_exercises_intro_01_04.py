@@ -1,0 +1,113 @@
+"""The numbers of the intro's first screen and the exercise answers of chapters 1-4, recomputed by kvlab.
+
+Each test reads the page as written, takes the text it states (the intro's answer, or one exercise's folded
+answer) and asserts that the figure kvlab computes now, formatted as the page writes it, appears there. A
+change in kvlab or in a registry config that moves an answer fails here instead of leaving the page wrong.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from kvlab import budget, sizing
+from kvlab.shape import shape
+from kvlab.units import format_bytes, parse_tokens
+
+ROOT = Path(__file__).resolve().parents[1]
+BOOK = ROOT / "book"
+LLAMA_8B = "meta-llama/Llama-3.1-8B"
+ANSWER = re.compile(r"```\{dropdown\} Answer\n(.*?)\n```", re.DOTALL)
+
+
+def page(name: str) -> str:
+    return (BOOK / name).read_text()
+
+
+def answers(name: str) -> list[str]:
+    """The folded answers of a chapter page, in page order, with line breaks folded to spaces."""
+    found = [" ".join(block.split()) for block in ANSWER.findall(page(name))]
+    assert found, f"{name} has no ```{{dropdown}} Answer block"
+    return found
+
+
+def first_screen(name: str) -> str:
+    """The page from its title to its first second-level heading, line breaks folded to spaces."""
+    text = page(name).split("\n## ", 1)[0]
+    return " ".join(text.split())
+
+
+def test_answers_are_found():
+    text = (
+        "x\n```{dropdown} Answer\nIt is **3**\nbytes.\n```\ny\n```{dropdown} How this is checked\nno\n```\n"
+    )
+    assert [" ".join(a.split()) for a in ANSWER.findall(text)] == ["It is **3** bytes."]
+
+
+def test_intro_works_the_formula_for_llama_8b():
+    layers = shape(LLAMA_8B).spec.layers
+    kv_heads, head_dim = layers[0].kv_heads, layers[0].head_dim
+    assert all((layer.kv_heads, layer.head_dim) == (kv_heads, head_dim) for layer in layers)
+    per_token = sizing.kv_bytes_per_token(LLAMA_8B, "bf16")
+    screen = first_screen("intro.md")
+    worked = f"{len(layers)} layers × 2 (K and V) × {kv_heads} KV heads × {head_dim} dimensions × 2 bytes"
+    assert worked in screen
+    assert len(layers) * 2 * kv_heads * head_dim * 2 == per_token
+    assert f"**{format_bytes(per_token)} per token**" in screen
+
+
+def test_intro_states_what_32_users_hold_and_the_h100_pool():
+    screen = first_screen("intro.md")
+    tokens = parse_tokens("10k")
+    held = sizing.kv_cache_bytes(LLAMA_8B, tokens, 32, "bf16")
+    weights = sizing.weight_bytes(LLAMA_8B, "bf16")
+    assert f"10k tokens ({tokens:,})" in screen
+    assert f"**{format_bytes(held)}**" in screen
+    assert f"{held / weights:.1f} times the model's {format_bytes(weights)} of weights" in screen
+
+    pool = budget.memory_budget(LLAMA_8B, "H100-SXM")
+    reserve = pool.capacity_bytes - pool.weight_bytes - pool.kv_pool_bytes
+    assert f"H100 SXM ({format_bytes(pool.capacity_bytes)})" in screen
+    assert f"**KV pool of {format_bytes(pool.kv_pool_bytes)}**" in screen
+    assert f"{format_bytes(reserve)} of reserve" in screen
+    assert f"holds {pool.max_tokens():,} tokens: {pool.max_sequences(tokens)} such users" in screen
+
+
+def test_intro_budget_table_is_term_by_term():
+    pool = budget.memory_budget(LLAMA_8B, "H100-SXM")
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2].strip()
+        for line in page("intro.md").splitlines()
+        if line.startswith("| ") and line.count("|") == 3
+    }
+    expected = [
+        ("Memory the driver reports", pool.capacity_bytes),
+        ("driver reserve", pool.driver_reserved_bytes + pool.engine_cap_bytes),
+        ("memory outside PyTorch", pool.runtime_bytes),
+        ("weights", pool.weight_bytes),
+        ("activation peak", pool.peak_bytes),
+        ("CUDA graphs", pool.cuda_graph_bytes),
+        ("KV pool", pool.kv_pool_bytes),
+    ]
+    for label, value in expected:
+        cells = [cell for row, cell in rows.items() if label in row]
+        assert cells, f"intro.md: no budget row for {label!r}"
+        assert format_bytes(value) in cells[0], (label, cells[0], format_bytes(value))
+    assert f"{pool.num_blocks:,} blocks of {pool.block_size} tokens" in page("intro.md")
+
+
+def test_intro_lists_every_chapter_with_its_question():
+    intro = page("intro.md")
+    for chapter in sorted(BOOK.glob("[01]*/index.md")):
+        title = chapter.read_text().splitlines()[0].removeprefix("# ")
+        link = f"[{title}]({chapter.parent.name}/index.md)"
+        row = [line for line in intro.splitlines() if link in line]
+        assert row, f"intro.md: no table row links {link}"
+        assert row[0].rstrip(" |").endswith("?"), f"intro.md: the row of {title} asks no question"
+
+
+def test_intro_credits_the_source_article():
+    assert "KV Cache 为什么会占用大量 GPU 显存，它到底保存了什么数据" in first_screen("intro.md")
+    assert "128 bytes per token" in first_screen("intro.md")
+    ratio = sizing.kv_bytes_per_token(LLAMA_8B, "bf16") // 128
+    assert f"{ratio:,} times larger" in first_screen("intro.md")
