@@ -1,0 +1,116 @@
+"""The budget table, takeaways and exercise answers of chapters 5-9, recomputed by kvlab.
+
+Each test reads the page as written, takes the text it states (a table row, a takeaway or one exercise's folded
+answer) and asserts that the figure kvlab computes now, formatted as the page writes it, appears there. A change
+in kvlab or in a registry config that moves a number fails here instead of leaving the page wrong. Everything is
+computed (big models on the meta device through kvlab's own functions); nothing here runs a lab.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kvlab import budget, sizing
+from kvlab.units import format_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+BOOK = ROOT / "book"
+LLAMA_8B = "meta-llama/Llama-3.1-8B"
+H100 = "H100-SXM"
+ANSWER = re.compile(r"```\{dropdown\} Answer\n(.*?)\n```", re.DOTALL)
+TAKEAWAYS = re.compile(r":::\{admonition\} Takeaways\n(.*?)\n:::", re.DOTALL)
+CHAPTERS = ["05_active_tokens", "06_long_context", "07_paging", "08_continuous_batching", "09_prefix_caching"]
+
+
+def page(chapter: str) -> str:
+    return (BOOK / chapter / "index.md").read_text()
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def answers(chapter: str) -> list[str]:
+    """The folded answers of a chapter page, in page order, with line breaks folded to spaces."""
+    found = [flat(block) for block in ANSWER.findall(page(chapter))]
+    assert found, f"{chapter} has no ```{{dropdown}} Answer block"
+    return found
+
+
+def takeaways(chapter: str) -> str:
+    (box,) = TAKEAWAYS.findall(page(chapter))
+    return flat(box)
+
+
+def table_rows(chapter: str) -> dict[str, str]:
+    """First cell -> second cell of every three-column Markdown table row of the page."""
+    return {
+        line.split("|")[1].strip(): line.split("|")[2].strip()
+        for line in page(chapter).splitlines()
+        if line.startswith("| ") and line.count("|") == 4
+    }
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_each_chapter_ends_with_takeaways_and_answered_exercises(chapter):
+    text = page(chapter)
+    bullets = [line for line in TAKEAWAYS.findall(text)[0].splitlines() if line.startswith("- ")]
+    assert 3 <= len(bullets) <= 5, f"{chapter}: {len(bullets)} takeaways"
+    assert ":class: tip kvlab-takeaways" in text
+    exercises = text.split("\n## Exercises\n", 1)[1]
+    assert 2 <= len(ANSWER.findall(exercises)) <= 3, f"{chapter}: 2-3 answered exercises"
+    assert "kvlab sweep" in exercises or "parameters cell" in exercises, f"{chapter}: no exercise runs the lab"
+
+
+# Chapter 5 -----------------------------------------------------------------------------------------------------
+
+
+def h100_budget(**kwargs) -> budget.MemoryBudget:
+    return budget.memory_budget(LLAMA_8B, H100, **kwargs)
+
+
+def test_ch5_budget_table_is_term_by_term():
+    plan = h100_budget()
+    rows = table_rows("05_active_tokens")
+    expected = [
+        ("Capacity", plan.capacity_bytes),
+        ("− driver reserve", plan.driver_reserved_bytes),
+        ("− engine cap", plan.engine_cap_bytes),
+        ("− non-torch memory", plan.runtime_bytes),
+        ("− weights", plan.weight_bytes),
+        ("− activations", plan.peak_bytes),
+        ("− CUDA graphs", plan.cuda_graph_bytes),
+        ("**= KV pool**", plan.kv_pool_bytes),
+    ]
+    for label, value in expected:
+        assert label in rows, f"chapter 5: no budget row {label!r}"
+        assert format_bytes(value) in rows[label], (label, rows[label], format_bytes(value))
+    # The table's terms are the whole budget: nothing else is subtracted, up to block rounding.
+    subtracted = sum(value for label, value in expected[1:-1])
+    assert plan.capacity_bytes - subtracted - plan.kv_pool_bytes == plan.rounding_bytes
+    text = flat(page("05_active_tokens"))
+    assert f"{plan.num_blocks:,} blocks of {plan.block_size} tokens: {plan.max_tokens():,} tokens" in text
+    assert f"{sizing.param_count(LLAMA_8B) / 1e9:.2f} B parameters × 2 bytes" in text
+    assert f"gpu_memory_utilization` {plan.gpu_memory_utilization:g}" in text
+
+
+def test_ch5_takeaways():
+    plan = h100_budget()
+    box = takeaways("05_active_tokens")
+    assert f"{format_bytes(plan.kv_pool_bytes)} of {format_bytes(plan.capacity_bytes)}" in box
+    ratio = plan.max_sequences(500) / plan.max_sequences(10_000)
+    assert f"about {round(ratio)}× more 500-token chats than 10,000-token documents" in box
+
+
+def test_ch5_answers():
+    first, second = answers("05_active_tokens")
+    held = sizing.kv_cache_bytes(LLAMA_8B, 32_768, 32, "bf16")
+    assert f"**{format_bytes(held)}**" in first and held > h100_budget().capacity_bytes
+    assert f"**{h100_budget().max_sequences(32_768)}** sequences of 32,768 tokens" in first
+    assert f"against {h100_budget().max_sequences(10_000)} of 10,000" in first
+    fp8 = h100_budget(kv_dtype="fp8").max_sequences(10_000)
+    assert f"**{fp8}** sequences, twice the {h100_budget().max_sequences(10_000)}" in second
+    assert fp8 == 2 * h100_budget().max_sequences(10_000)
