@@ -114,3 +114,31 @@ def test_ch5_answers():
     fp8 = h100_budget(kv_dtype="fp8").max_sequences(10_000)
     assert f"**{fp8}** sequences, twice the {h100_budget().max_sequences(10_000)}" in second
     assert fp8 == 2 * h100_budget().max_sequences(10_000)
+
+
+# Chapter 6 -----------------------------------------------------------------------------------------------------
+
+
+def test_ch6_takeaways():
+    box = takeaways("06_long_context")
+    held = sizing.kv_cache_bytes(LLAMA_8B, 131_072, 1, "bf16")
+    weights = sizing.weight_bytes(LLAMA_8B, "bf16")
+    assert f"({format_bytes(held)} against {format_bytes(weights)})" in box
+    assert f"one H100 holds {h100_budget().max_sequences(131_072)} such users in bf16" in box
+
+
+def test_ch6_answers():
+    first, second = answers("06_long_context")
+    qwen = "Qwen/Qwen2.5-7B"
+    assert f"**{sizing.crossover_context(qwen, 8):,} tokens**" in first
+    assert f"at {sizing.crossover_context(LLAMA_8B, 8):,}:" in first
+    per_token = (format_bytes(sizing.kv_bytes_per_token(m, "bf16")) for m in (qwen, LLAMA_8B))
+    assert "stores {} per token against {}".format(*per_token) in first
+    counts = [
+        budget.memory_budget(LLAMA_8B, gpu, kv_dtype=dtype).max_sequences(131_072)
+        for gpu in (H100, "H200")
+        for dtype in ("bf16", "fp8")
+    ]
+    assert "On an H100 SXM: **{}** in bf16, **{}** in fp8. On an H200: **{}** in bf16, **{}** in fp8.".format(
+        *counts
+    ) in second
