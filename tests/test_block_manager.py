@@ -26,8 +26,9 @@ def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
             holders[block_id] += 1
     assert holders == alloc.ref_counts
     assert set(alloc.free) == {b for b, r in enumerate(alloc.ref_counts) if r == 0}
-    # The prefix cache maps each hash to a block carrying that hash.
-    assert all(alloc.hashes[b] == h for h, b in bm.cached.items())
+    # The prefix cache maps each hash to the blocks carrying it (duplicates kept), and every hashed block is there.
+    assert all(blocks and all(alloc.hashes[b] == h for b in blocks) for h, blocks in bm.cached.items())
+    assert sum(h is not None for h in alloc.hashes) == bm.num_cached_blocks
 
 
 def free_all_and_check(bm: BlockManager, slots: dict[int, Sequence]) -> None:
@@ -217,7 +218,14 @@ def test_cache_salt_changes_every_block_hash():
 
 
 def test_sliding_group_frees_behind_the_window_and_hits_on_the_window_only():
-    bm = BlockManager(num_blocks=32, block_size=2, enable_prefix_caching=True, windows=[5])
+    # Every full sliding block cached (retention None), so that a prefix shorter than the prompt can hit.
+    bm = BlockManager(
+        num_blocks=32,
+        block_size=2,
+        enable_prefix_caching=True,
+        windows=[5],
+        prefix_cache_retention_interval=None,
+    )
     seq = Sequence(list(range(10, 30)))
     assert bm.allocate(seq, 4) == 4  # tokens 0..3
     seq.num_computed_tokens = 4

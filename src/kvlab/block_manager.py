@@ -1,11 +1,26 @@
 """Which blocks of the pool each sequence owns: the allocator, prefix caching, and the contiguous baseline.
 
 `BlockAllocator` keeps a reference count per block and a free list in eviction order. `BlockManager` gives each
-sequence a block table and, with prefix caching, shares full blocks between sequences the way vLLM does
-(Kwon et al., 2023, arXiv:2309.06180, and vLLM's automatic prefix caching): a full block is identified by a hash
-of its tokens chained with its parent block's hash, so equal hashes mean equal whole prefixes. A block whose last
-user finishes keeps its hash and stays on the free list; a later request with the same prefix takes it back, and
-only when the allocator needs a fresh block is the least recently freed one evicted.
+sequence a block table and, with prefix caching, shares full blocks between sequences (Kwon et al., 2023,
+arXiv:2309.06180, and vLLM's automatic prefix caching): a full block is identified by a hash of its tokens chained
+with its parent block's hash, so equal hashes mean equal whole prefixes. A block whose last user finishes keeps its
+hash and stays on the free list; a later request with the same prefix takes it back, and only when the allocator
+needs a fresh block is the least recently freed one evicted.
+
+Three rules follow vLLM 0.33.0 where its tests pin them down (`tests/v1/core/test_prefix_caching.py`):
+- Duplicates stay cached. A hash maps to every block that holds it (`vllm/v1/core/block_pool.py`,
+  `BlockHashToBlockMap`: "we don't de-duplicate the blocks in the cache"), and a lookup takes the first one
+  cached. A block-aligned prompt sent again recomputes its last block, which joins the first copy under the same
+  hash; evicting one copy leaves the other.
+- Sliding-window groups keep only the blocks a hit can reach (`prefix_cache_retention_interval`, 0 by default
+  in `vllm/config/cache.py`; `SlidingWindowManager.reachable_block_mask` in
+  `vllm/v1/core/single_type_kv_cache_manager.py`): with 0, the window's blocks before the prompt's last token
+  (where a resend of the prompt resumes) and before a shared-prefix junction; a positive interval adds the
+  window's blocks at the end of every interval; `None` caches every full block. Full-attention groups cache every
+  full block.
+- Admission with the whole prompt reserved (vLLM's `scheduler_reserve_full_isl`) caps a sliding group at what it
+  can hold at once, the window plus the tokens in flight (`SlidingWindowSpec.max_admission_blocks_per_request`,
+  `vllm/v1/kv_cache_interface.py`, applied with `apply_admission_cap` in `vllm/v1/core/kv_cache_manager.py`).
 
 `ContiguousBlockManager` is what servers did before paging: reserve `max_model_len` tokens of contiguous memory
 per request at admission. On the same pool and trace, it shows how much reserved memory holds no token.
@@ -40,18 +55,39 @@ def block_hash(parent: int | None, tokens: list[int], extra: str | None = None) 
     return int.from_bytes(digest.digest()[:16], "little")
 
 
+def max_admission_blocks(
+    window: int, block_size: int, max_in_flight_tokens: int, max_model_len: int | None = None
+) -> int:
+    """Most blocks a sliding group of `window` holds for one request at once: the window's `window - 1` earlier
+    tokens plus the tokens in flight, at most `max_model_len`, and one block more because the window may start
+    inside a block (vLLM 0.33.0 `SlidingWindowSpec.max_admission_blocks_per_request`,
+    `vllm/v1/kv_cache_interface.py`: both the start-up pool sizing and the admission cap)."""
+    tokens = window - 1 + max_in_flight_tokens
+    return blocks_for(tokens if max_model_len is None else min(tokens, max_model_len), block_size) + 1
+
+
 def blocks_per_request(
     windows: Sequence[int | None], block_size: int, max_num_batched_tokens: int, context_len: int
 ) -> int:
     """Most blocks one request of `context_len` tokens holds over all KV-cache groups: a sliding group at most
-    cdiv(window - 1 + max_num_batched_tokens, block_size) + 1 (vLLM 0.33.0 `SlidingWindowSpec.
-    max_memory_usage_bytes`, `vllm/v1/kv_cache_interface.py`)."""
+    `max_admission_blocks` (vLLM 0.33.0 `SlidingWindowSpec.max_memory_usage_bytes`)."""
     return sum(
         blocks_for(context_len, block_size)
         if w is None
-        else blocks_for(min(w - 1 + max_num_batched_tokens, context_len), block_size) + 1
+        else max_admission_blocks(w, block_size, max_num_batched_tokens, context_len)
         for w in windows
     )
+
+
+def check_retention_interval(interval: int | None, block_size: int) -> None:
+    """vLLM 0.33.0's `prefix_cache_retention_interval` values: None, 0, or a positive multiple of the block size."""
+    if interval is None:
+        return
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0 or interval % block_size:
+        raise ValueError(
+            f"prefix_cache_retention_interval must be None, 0 or a positive multiple of block_size={block_size},"
+            f" got {interval!r}"
+        )
 
 
 def longest_request(
@@ -147,6 +183,12 @@ class BlockManager:
     the blocks that fall wholly behind its window before each step (vLLM's `SlidingWindowManager`
     `remove_skipped_blocks`): their table entries become `NULL_BLOCK`, so a sequence holds the window's blocks
     plus the blocks being written, however long it grows.
+
+    `prefix_cache_retention_interval` is vLLM's knob of that name (0, vLLM's default: a sliding group caches only
+    the blocks a replayed prompt or a shared-prefix junction can hit; a positive multiple of `block_size`: also
+    the window's blocks at the end of every interval; None: every full block). `max_in_flight_tokens` (the
+    engine's `max_num_batched_tokens`) and `max_model_len` set a sliding group's admission cap
+    (`max_admission_blocks`); with neither, a whole-prompt reservation counts every prompt block.
     """
 
     def __init__(
@@ -155,17 +197,37 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = False,
         windows: Sequence[int | None] = (None,),
+        prefix_cache_retention_interval: int | None = 0,
+        max_in_flight_tokens: int | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if not windows or any(w is not None and w < 2 for w in windows):
             raise ValueError(f"windows must be None or >= 2, one per KV-cache group, got {list(windows)}")
+        self.has_sliding_groups = any(w is not None for w in windows)
+        check_retention_interval(prefix_cache_retention_interval, block_size)
+        if prefix_cache_retention_interval and not self.has_sliding_groups:
+            # vLLM 0.33.0 refuses it too (`_validate_prefix_cache_retention_interval`, kv_cache_coordinator.py).
+            raise ValueError(
+                f"prefix_cache_retention_interval={prefix_cache_retention_interval} has no effect without a"
+                " sliding-window KV-cache group; leave it 0"
+            )
         self.allocator = BlockAllocator(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.windows = list(windows)
-        self.has_sliding_groups = any(w is not None for w in windows)
-        self.cached: dict[tuple[int, int], int] = {}  # (group, block hash) -> block id
+        self.prefix_cache_retention_interval = prefix_cache_retention_interval
+        # vLLM's KVCacheManager takes max_model_len as the tokens in flight when it is given no other bound.
+        in_flight = max_model_len if max_in_flight_tokens is None else max_in_flight_tokens
+        self.admission_caps: list[int | None] = [
+            None
+            if w is None or in_flight is None
+            else max_admission_blocks(w, block_size, in_flight, max_model_len)
+            for w in windows
+        ]
+        # (group, block hash) -> every block holding it, first cached first (vLLM keeps duplicates).
+        self.cached: dict[tuple[int, int], dict[int, None]] = {}
         self.block_group = [0] * num_blocks  # which group a block in use belongs to
         self.allocator.on_evict = self._evict
         self.prefix_cache_stats = PrefixCacheStats()  # lookups so far, one per request
@@ -177,8 +239,8 @@ class BlockManager:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Blocks holding a published prefix, in use or free but not yet evicted."""
-        return len(self.cached)
+        """Blocks holding a published prefix, in use or free but not yet evicted (duplicates counted)."""
+        return sum(len(blocks) for blocks in self.cached.values())
 
     @property
     def num_blocks(self) -> int:
@@ -212,8 +274,12 @@ class BlockManager:
         return self.num_blocks * self.block_size // self.num_groups
 
     def _evict(self, block_id: int, key: Hashable) -> None:
-        if self.cached.get(key) == block_id:  # type: ignore[call-overload]
-            del self.cached[key]  # type: ignore[arg-type]
+        """Forget one block's copy of a hash; another copy of the same hash stays cached."""
+        blocks = self.cached.get(key)  # type: ignore[call-overload]
+        if blocks is not None and block_id in blocks:
+            del blocks[block_id]
+            if not blocks:
+                del self.cached[key]  # type: ignore[arg-type]
 
     def _hashes(self, seq: Sequence_) -> list[int]:
         """Chained hashes of the sequence's full blocks (memoised: a full block's tokens never change)."""
@@ -256,25 +322,65 @@ class BlockManager:
 
     def cached_tables(self, seq: Sequence_) -> list[list[int]]:
         """Per group, the table of cached blocks covering the longest prefix of `seq` every group can serve,
-        leaving at least one token to compute (`NULL_BLOCK` where a sliding group no longer needs a block)."""
+        leaving at least one token to compute (`NULL_BLOCK` where a sliding group no longer needs a block).
+
+        As vLLM 0.33.0's `HybridKVCacheCoordinator.find_longest_cache_hit`, each group in turn (full attention
+        first) may shorten the candidate until none does. Where the first group alone would hit further, its
+        hit ends on a shared prefix that a sliding group has not kept: that junction is recorded in
+        `seq.shared_prefix_boundary`, so this request keeps its window there for the next one.
+        """
         if not self.enable_prefix_caching:
             return [[] for _ in self.windows]
         hashes = self._hashes(seq)
         n = (seq.num_tokens - 1) // self.block_size
-        while True:  # every group must serve the same prefix; shrink until they all do
-            shorter = min(self._group_hit(g, hashes, n) for g in range(self.num_groups))
-            if shorter == n:
+        longest = None
+        while True:
+            start = n
+            for g in range(self.num_groups):
+                n = self._group_hit(g, hashes, n)
+                longest = n if longest is None else longest
+            if n == start:
                 break
-            n = shorter
+        seq.shared_prefix_boundary = longest * self.block_size if longest and longest > n else 0
         tables = []
         for g in range(self.num_groups):
             first = self._skipped_blocks(g, n * self.block_size)
-            tables.append([NULL_BLOCK] * first + [self.cached[(g, h)] for h in hashes[first:n]])
+            tables.append([NULL_BLOCK] * first + [next(iter(self.cached[(g, h)])) for h in hashes[first:n]])
         return tables
 
     def _new_blocks_needed(self, seq: Sequence_, num_new_tokens: int) -> int:
         total = blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
         return sum(max(0, total - len(table)) for table in seq.block_tables)
+
+    def _blocks_beyond(self, tables: list[list[int]], num_tokens: int, capped: bool = False) -> int:
+        """Blocks the tables lack to hold `num_tokens` tokens, each sliding group at most its admission cap when
+        `capped` (vLLM 0.33.0 `SingleTypeKVCacheManager.get_num_blocks_to_allocate`)."""
+        total = blocks_for(num_tokens, self.block_size)
+        return sum(
+            max(0, (total if cap is None or not capped else min(total, cap)) - len(table))
+            for table, cap in zip(tables, self.admission_caps, strict=True)
+        )
+
+    def _admission(
+        self, seq: Sequence_, num_new_tokens: int, reserve_tokens: int
+    ) -> tuple[list[list[int]], int, int]:
+        """A waiting sequence's cached tables, the tokens it would compute now, and the free blocks it needs."""
+        tables = self.cached_tables(seq)
+        cached = len(tables[0]) * self.block_size
+        num_new_tokens = min(num_new_tokens, seq.num_tokens - cached)
+        hits = {b for table in tables for b in table if b != NULL_BLOCK}
+        # Cached but free: they leave the free list.
+        revived = sum(self.allocator.ref_counts[b] == 0 for b in hits)
+        needed = self._blocks_beyond(tables, cached + num_new_tokens)
+        if reserve_tokens:
+            # vLLM's `full_sequence_must_fit` gate: the whole prompt, sliding groups capped, must fit as well.
+            reserved = self._blocks_beyond(tables, min(reserve_tokens, seq.num_tokens), capped=True)
+            needed = max(needed, reserved)
+        return tables, num_new_tokens, revived + needed
+
+    def blocks_to_admit(self, seq: Sequence_, num_new_tokens: int, reserve_tokens: int = 0) -> int:
+        """Free blocks `allocate(seq, num_new_tokens, reserve_tokens)` needs to admit `seq` now."""
+        return self._admission(seq, num_new_tokens, reserve_tokens)[2]
 
     def can_fit_alone(self, num_tokens: int) -> bool:
         return blocks_for(num_tokens, self.block_size) * self.num_groups <= self.num_blocks
@@ -284,20 +390,14 @@ class BlockManager:
         more. Returns how many tokens it will compute (the hit shortens the work), or None if the pool is short.
 
         `reserve_tokens`: admit only if blocks for that many tokens in all (the whole prompt: vLLM's
-        `scheduler_reserve_full_isl`) would be free, though only the first chunk's blocks are taken now.
+        `scheduler_reserve_full_isl`) would be free, a sliding group counted at most at its admission cap, though
+        only the first chunk's blocks are taken now.
         """
         assert not any(seq.block_tables), "allocate is for sequences without blocks"
-        tables = self.cached_tables(seq)
-        cached = (len(tables[0])) * self.block_size
-        num_new_tokens = min(num_new_tokens, seq.num_tokens - cached)
-        hits = {b for table in tables for b in table if b != NULL_BLOCK}
-        revived = sum(
-            self.allocator.ref_counts[b] == 0 for b in hits
-        )  # cached but free: they leave the free list
-        target = max(cached + num_new_tokens, min(reserve_tokens, seq.num_tokens))
-        fresh = sum(blocks_for(target, self.block_size) - len(table) for table in tables)
-        if revived + fresh > self.num_free_blocks:
+        tables, num_new_tokens, needed = self._admission(seq, num_new_tokens, reserve_tokens)
+        if needed > self.num_free_blocks:
             return None
+        cached = len(tables[0]) * self.block_size
         for table in tables:
             for block_id in table:
                 if block_id != NULL_BLOCK:
@@ -342,12 +442,35 @@ class BlockManager:
         self._cache_full_blocks(seq, seq.num_computed_tokens + num_new_tokens)
         return True
 
+    def _retained(self, group: int, index: int, seq: Sequence_) -> bool:
+        """Whether block `index` of `seq` in `group` is published (vLLM 0.33.0
+        `SlidingWindowManager.reachable_block_mask`, no speculative decoding, hits aligned to the block size).
+
+        A sliding hit needs the cdiv(window - 1, block_size) blocks before the point it resumes at. Those points
+        are the prompt's last token (a resend of the prompt computes that token again), a shared-prefix junction,
+        and with a positive interval the end of every interval.
+        """
+        window, interval = self.windows[group], self.prefix_cache_retention_interval
+        if window is None or interval is None:
+            return True
+        need = blocks_for(window - 1, self.block_size)
+        if interval:
+            per_interval = interval // self.block_size
+            if need >= per_interval or index % per_interval >= per_interval - need:
+                return True
+        for boundary in (seq.num_prompt_tokens - 1, seq.shared_prefix_boundary):
+            end = boundary // self.block_size
+            if end - need <= index < end:
+                return True
+        return False
+
     def _cache_full_blocks(self, seq: Sequence_, num_tokens: int) -> None:
         """Publish the blocks that `num_tokens` tokens fill, so other requests can share them.
 
         As in vLLM, this happens when the tokens are scheduled, not after they are computed: a request admitted
         later in the same step can already share them, because each layer writes the whole step's K/V to the pool
-        before any sequence attends.
+        before any sequence attends. A block whose hash is cached already is published beside the first copy, not
+        instead of it (vLLM 0.33.0 `BlockPool.cache_full_blocks`); sliding groups publish only `_retained` blocks.
         """
         if not self.enable_prefix_caching:
             return
@@ -356,12 +479,11 @@ class BlockManager:
         for g, table in enumerate(seq.block_tables):
             for i in range(num_tokens // self.block_size):
                 block_id = table[i]
-                if block_id == NULL_BLOCK or hashes_of[block_id] is not None:
+                if block_id == NULL_BLOCK or hashes_of[block_id] is not None or not self._retained(g, i, seq):
                     continue
                 key = (g, hashes[i])
-                if key not in self.cached:
-                    hashes_of[block_id] = key
-                    self.cached[key] = block_id
+                hashes_of[block_id] = key
+                self.cached.setdefault(key, {})[block_id] = None
 
     def free(self, seq: Sequence_) -> None:
         """Give back a sequence's blocks, group by group, last block first, so its tail is evicted before its
@@ -408,6 +530,9 @@ class ContiguousBlockManager(BlockManager):
             if run == self.reserve_blocks:
                 return block_id - run + 1
         return None
+
+    def blocks_to_admit(self, seq: Sequence_, num_new_tokens: int, reserve_tokens: int = 0) -> int:
+        return self.reserve_blocks
 
     def allocate(self, seq: Sequence_, num_new_tokens: int, reserve_tokens: int = 0) -> int | None:
         assert not seq.block_table, "allocate is for sequences without blocks"

@@ -5,11 +5,13 @@
 (see `ModelRunner.profile_num_blocks`); `max_model_len=None` is the model's limit, capped by the pool.
 
 Defaults follow vLLM v1 (0.33.0, `vllm/config/cache.py`, `vllm/config/scheduler.py`) where they make sense for
-a teaching engine: prefix caching on (off for the contiguous baseline, which cannot share), chunked prefill on.
-They differ where vLLM sizes for a datacentre GPU: `max_num_seqs` and `max_num_batched_tokens` are CPU-sized, and
-admission needs only the first chunk's blocks unless `scheduler_reserve_full_isl=True` (vLLM's default, which
-needs the whole prompt to fit). `VLLM_DEFAULTS` and `EngineConfig.table()` put both side by side; `LLMEngine`
-logs that table at startup.
+a teaching engine: prefix caching on (off for the contiguous baseline, which cannot share), chunked prefill on,
+and `prefix_cache_retention_interval=0` (sliding-window groups cache only the blocks a hit can reach; see
+`kvlab.block_manager`). They differ where vLLM sizes for a datacentre GPU: `max_num_seqs` and
+`max_num_batched_tokens` are CPU-sized, and admission needs only the first chunk's blocks unless
+`scheduler_reserve_full_isl=True` (vLLM's default, which needs the whole prompt's blocks free, a sliding-window
+group counted at most at its window plus the tokens in flight). `VLLM_DEFAULTS` and `EngineConfig.table()` put
+both side by side; `LLMEngine` logs that table at startup.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 from kvlab import vllm_defaults
+from kvlab.block_manager import check_retention_interval
 from kvlab.kv_format import pool_format
 from kvlab.scheduler import SchedulerConfig, Scheduling
 
@@ -37,6 +40,9 @@ class EngineConfig:
     kv_layout: KVLayout = "paged"
     enable_chunked_prefill: bool = vllm_defaults.ENABLE_CHUNKED_PREFILL
     scheduler_reserve_full_isl: bool = False  # True: admit only when the whole prompt's blocks are free
+    # Sliding-window prefix-cache retention (vLLM's knob): 0 keeps the blocks a resent prompt or a shared-prefix
+    # junction can hit, a positive multiple of block_size also one window per interval, None every full block.
+    prefix_cache_retention_interval: int | None = vllm_defaults.PREFIX_CACHE_RETENTION_INTERVAL
     kv_cache_dtype: str = (
         "auto"  # "auto": the model's dtype; "fp8" (e4m3) or "int8": 1 byte + scales (kvlab.quant)
     )
@@ -53,6 +59,7 @@ class EngineConfig:
             raise ValueError(
                 f"block_size and num_blocks must be >= 1, got {self.block_size}, {self.num_blocks}"
             )
+        check_retention_interval(self.prefix_cache_retention_interval, self.block_size)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler's share of the knobs, once `max_model_len` is resolved against the pool."""
@@ -88,5 +95,6 @@ VLLM_DEFAULTS: dict[str, str] = {
     "kv_layout": "paged (vLLM has no contiguous layout)",
     "enable_chunked_prefill": vllm_defaults.describe("enable_chunked_prefill"),
     "scheduler_reserve_full_isl": vllm_defaults.describe("scheduler_reserve_full_isl"),
+    "prefix_cache_retention_interval": vllm_defaults.describe("prefix_cache_retention_interval"),
     "kv_cache_dtype": vllm_defaults.describe("kv_cache_dtype"),
 }

@@ -83,7 +83,15 @@ class LLMEngine:
                 raise ValueError("the contiguous baseline supports one KV-cache group (not hybrid models)")
             self.block_manager: BlockManager = ContiguousBlockManager(num_blocks, bs, self.max_model_len)
         else:
-            self.block_manager = BlockManager(num_blocks, bs, bool(config.enable_prefix_caching), windows)
+            self.block_manager = BlockManager(
+                num_blocks,
+                bs,
+                bool(config.enable_prefix_caching),
+                windows,
+                config.prefix_cache_retention_interval,
+                max_in_flight_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+            )
         limits = config.scheduler_config(self.max_model_len)
         self.scheduler = Scheduler(limits, self.block_manager, runner.eos_token_ids, log_stats)
         self.step_stats = self.scheduler.step_stats
@@ -138,10 +146,9 @@ class LLMEngine:
         batch = self.scheduler.schedule(now)
         if not batch.seqs:
             upcoming = self.scheduler.next_arrival()
+            # Nothing ran: wait for the next arrival, if that is why (the scheduler raises if it cannot progress).
             if upcoming is not None and upcoming > now:
                 self.clock.wait_until(upcoming)
-            elif not batch.preempted and self.scheduler.has_unfinished():
-                raise RuntimeError("the scheduler made no progress: the pool cannot hold one request")
             return finished
         output = self.runner.run(batch)
         self.clock.step_done(batch.num_batched_tokens, sum(batch.context_lens()), output.seconds)

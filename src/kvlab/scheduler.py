@@ -10,8 +10,20 @@ When the pool has no block for a running sequence, the most recently admitted ru
 recompute, the only preemption mode of vLLM v1 (vLLM 0.33.0 `vllm/v1/core/sched/scheduler.py`; swapping to CPU
 and `--swap-space` are gone): its blocks are freed, its tokens kept, and it goes back to the front of the queue,
 to be prefilled again, prompt plus output so far, when memory allows. With prefix caching on, its freed full
-blocks keep their hashes, so on re-admission it takes back those not evicted meanwhile and recomputes only the
-rest (`BlockManager.num_recomputed_tokens` counts what is prefilled again).
+blocks of full-attention groups keep their hashes, so on re-admission it takes back those not evicted meanwhile
+and recomputes only the rest (`BlockManager.num_recomputed_tokens` counts what is prefilled again). Sliding-window
+groups keep only the blocks `BlockManager.prefix_cache_retention_interval` retains (by vLLM's default, those
+before the prompt's last token), so a model with sliding layers recomputes more.
+
+With `reserve_full_prompt` (vLLM's `scheduler_reserve_full_isl`), a waiting request is admitted only when blocks
+for its whole prompt are free, a sliding group counted at most at the window plus the tokens in flight
+(`kvlab.block_manager.max_admission_blocks`), as vLLM 0.33.0's `KVCacheManager.allocate_slots` does.
+
+A scheduler that cannot make progress says so instead of spinning. A request that an idle pool (nothing
+running) still cannot admit never will be: `schedule` raises `SchedulerStalled` at once, naming the blocks it
+needs. As a backstop, `SchedulerConfig.max_idle_steps` bounds the consecutive steps in which no sequence computes
+a token beyond the most it had computed before (recomputation after preemption does not count) while work has
+arrived; one more raises `SchedulerStalled` too.
 
 After the runner has run a batch, `postprocess` (nano-vllm's) advances each sequence's computed tokens, appends
 the sampled tokens, retires sequences that hit eos, `max_tokens` or `max_model_len`, and records the step's
@@ -38,6 +50,11 @@ logger = logging.getLogger(__name__)
 Scheduling = Literal["continuous", "static"]
 
 
+class SchedulerStalled(RuntimeError):
+    """The scheduler can make no progress: the pool can never admit the request at the head of the queue, or
+    `SchedulerConfig.max_idle_steps` steps passed with work waiting and no sequence computing a new token."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
@@ -54,6 +71,12 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+
+    @property
+    def max_idle_steps(self) -> int:
+        """Steps without progress that a live schedule can need: one preemption-only step per running sequence,
+        then the oldest re-admitted sequence recomputing, the whole token budget a step, up to `max_model_len`."""
+        return self.max_num_seqs + -(-self.max_model_len // self.max_num_batched_tokens) + 2
 
 
 @dataclass
@@ -101,6 +124,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order: the last is preempted first
         self.static_batch: set[int] = set()  # static mode: seq ids of the batch being run
         self.num_preemptions = 0
+        self.num_idle_steps = 0  # consecutive steps without progress while work has arrived
         # One row per step that ran; `log_stats=False` skips them (the slot count is costly on long traces).
         self.log_stats = log_stats
         self.step_stats: list[StepStats] = []
@@ -150,6 +174,8 @@ class Scheduler:
                 continue
             break
         if batch.preempted:
+            if not batch.seqs:
+                self._count_idle_step()
             return batch  # memory is short: admit nobody this step
         if self.config.scheduling == "static":
             if not self.running and not (self.static_batch & {s.seq_id for s in self.waiting}):
@@ -166,6 +192,8 @@ class Scheduler:
             reserve = seq.num_tokens if self.config.reserve_full_prompt else 0
             admitted = self.block_manager.allocate(seq, budget, reserve)
             if admitted is None:
+                if not self.running:
+                    self._raise_unadmittable(seq, budget, reserve)
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -176,14 +204,44 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(admitted)
             budget -= admitted
+        if not batch.seqs and (self.running or any(s.arrival_time <= now for s in self.waiting)):
+            self._count_idle_step()
         return batch
+
+    def _raise_unadmittable(self, seq: Sequence, budget: int, reserve: int) -> None:
+        """Nothing runs, so every block is free or cached-free: a request refused now is refused forever."""
+        bm = self.block_manager
+        needed = bm.blocks_to_admit(seq, budget, reserve)
+        what = "its whole prompt reserved (scheduler_reserve_full_isl)" if reserve else "its first chunk"
+        raise SchedulerStalled(
+            f"request {seq.request_id} of {seq.num_tokens} tokens can never be admitted: with {what} it needs"
+            f" {needed} free blocks and the idle pool has {bm.num_free_blocks} of {bm.num_blocks}"
+        )
+
+    def _count_idle_step(self) -> None:
+        self.num_idle_steps += 1
+        if self.num_idle_steps > self.config.max_idle_steps:
+            bm = self.block_manager
+            raise SchedulerStalled(
+                f"the scheduler made no progress in {self.num_idle_steps} steps (bound {self.config.max_idle_steps}):"
+                f" {len(self.running)} running, {len(self.waiting)} waiting,"
+                f" {bm.num_free_blocks} of {bm.num_blocks} blocks free"
+            )
 
     def postprocess(self, batch: ScheduledBatch, output: RunnerOutput, now: float) -> list[Sequence]:
         """Account for a batch the runner has run, at clock time `now`; returns the sequences it finished."""
         for hook in self.on_step:
             hook(batch)
+        progressed = False
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
+            if seq.num_computed_tokens > seq.max_computed_tokens:
+                seq.max_computed_tokens = seq.num_computed_tokens
+                progressed = True
+        if progressed:
+            self.num_idle_steps = 0
+        else:
+            self._count_idle_step()
         finished = []
         for seq, token, top in zip(output.seqs, output.token_ids, output.top_token_ids, strict=True):
             seq.token_ids.append(token)

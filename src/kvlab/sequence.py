@@ -75,9 +75,14 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
+    # The most tokens it has had computed: recomputation after a preemption stays below it.
+    max_computed_tokens: int = 0
     block_tables: list[list[int]] = field(default_factory=lambda: [[]])  # one per KV-cache group
     cache_salt: str | None = None  # mixed into the first block's hash: no sharing across salts (vLLM's)
     block_hashes: list[int] = field(default_factory=list)  # of full blocks of token_ids, filled lazily
+    # Where a longer prefix was cached in full-attention groups than in sliding ones at the last lookup (0: none);
+    # sliding groups keep their window there (vLLM 0.33.0 `Request.shared_prefix_boundary`).
+    shared_prefix_boundary: int = 0
     finish_reason: str | None = None  # "stop" (eos), "length" (max_tokens / max_model_len), "error"
     error: str | None = None
     # Per generated token, the `params.logprobs` best token ids at that position (empty when logprobs is None).
