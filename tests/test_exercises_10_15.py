@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
+from transformers import LlamaConfig
 
-from kvlab import budget, sizing
+from kvlab import budget, quant, sizing
 from kvlab.units import format_bytes
 
 BOOK = Path(__file__).resolve().parents[1] / "book"
@@ -33,8 +33,14 @@ def assert_in(answer: str, *numbers: str) -> None:
 
 
 def test_every_chapter_has_two_or_three_answered_exercises() -> None:
-    for chapter in ("10_weights_not_cache", "11_kv_quantization", "12_beyond_hbm", "13_many_gpus",
-                    "14_capacity_planning", "15_where_to_start"):
+    for chapter in (
+        "10_weights_not_cache",
+        "11_kv_quantization",
+        "12_beyond_hbm",
+        "13_many_gpus",
+        "14_capacity_planning",
+        "15_where_to_start",
+    ):
         assert 2 <= len(answers(chapter)) <= 3, chapter
 
 
@@ -54,4 +60,35 @@ def test_ch10_long_sequences_with_4_bit_weights() -> None:
         f"{four_bit.max_sequences(32768)} with 4-bit",
         format_bytes(bf16.kv_pool_bytes),
         format_bytes(four_bit.kv_pool_bytes),
+    )
+
+
+def test_ch11_requests_on_an_h20_with_an_fp8_cache() -> None:
+    bf16 = budget.memory_budget("meta-llama/Llama-3.1-8B", "H20", kv_dtype="bf16")
+    fp8 = budget.memory_budget("meta-llama/Llama-3.1-8B", "H20", kv_dtype="fp8")
+    assert format_bytes(bf16.kv_pool_bytes) == format_bytes(fp8.kv_pool_bytes), "the pool is the same memory"
+    assert_in(
+        answers("11_kv_quantization")[0],
+        f"{bf16.max_sequences(8192)} with bf16",
+        f"{fp8.max_sequences(8192)} with fp8",
+        f"same {format_bytes(fp8.kv_pool_bytes)} pool",
+        f"rounds {bf16.kv_pool_bytes / (8192 * bf16.kv_bytes_per_token):.1f} sequences down",
+    )
+
+
+def test_ch11_kivi_residual_of_128_stores_the_same() -> None:
+    # SmolLM2-135M-Instruct's shape (chapter 10's lab glues it): 30 layers, 3 KV heads of dimension 64.
+    config = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576)
+    # the lab's memory section: a 128-token prompt and one decode step, KIVI groups of 32
+    tokens = 128 + 1
+    stored = {
+        r: quant.predicted_stored_bytes("kivi2", config, tokens, residual_length=r, group_size=32)
+        for r in (32, 128)
+    }
+    full = quant.predicted_stored_bytes("none", config, tokens)
+    assert stored[32] == stored[128]
+    assert_in(
+        answers("11_kv_quantization")[1],
+        f"same {format_bytes(stored[128])}",
+        f"{full / stored[128]:.1f}× less",
     )
