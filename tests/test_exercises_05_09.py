@@ -142,3 +142,27 @@ def test_ch6_answers():
     assert "On an H100 SXM: **{}** in bf16, **{}** in fp8. On an H200: **{}** in bf16, **{}** in fp8.".format(
         *counts
     ) in second
+
+
+# Chapter 7 -----------------------------------------------------------------------------------------------------
+
+
+def h100_max_num_seqs() -> int:
+    from kvlab import hardware, vllm_defaults
+
+    gpu = hardware.spec_for(H100)
+    assert gpu is not None
+    return vllm_defaults.batch_defaults(gpu.memory_bytes, gpu.name).max_num_seqs
+
+
+def test_ch7_answers_and_takeaways():
+    block = budget.BLOCK_SIZE
+    per_sequence = (block - 1) * sizing.kv_bytes_per_token(LLAMA_8B, "bf16")
+    assert f"with blocks of {block}, at most {format_bytes(per_sequence)} per" in takeaways("07_paging")
+    _, second = answers("07_paging")
+    seqs = h100_max_num_seqs()
+    assert f"`max_num_seqs` = {seqs:,}" in flat(page("07_paging"))
+    pool = h100_budget().kv_pool_bytes
+    assert f"at most {block - 1} slots of 128 KiB: {format_bytes(per_sequence)}" in second
+    assert f"For {seqs:,} sequences that is **{format_bytes(seqs * per_sequence)}**" in second
+    assert f"**{100 * seqs * per_sequence / pool:.1f} %** of the {format_bytes(pool)} pool" in second
