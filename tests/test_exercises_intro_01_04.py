@@ -7,10 +7,13 @@ change in kvlab or in a registry config that moves an answer fails here instead 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
-from kvlab import budget, sizing
+import torch
+
+from kvlab import budget, models, sizing
 from kvlab.shape import shape
 from kvlab.units import format_bytes, parse_tokens
 
@@ -111,3 +114,36 @@ def test_intro_credits_the_source_article():
     assert "128 bytes per token" in first_screen("intro.md")
     ratio = sizing.kv_bytes_per_token(LLAMA_8B, "bf16") // 128
     assert f"{ratio:,} times larger" in first_screen("intro.md")
+
+
+def lab_parameters(chapter: str) -> dict[str, object]:
+    """The values of a lab's parameters cell, as the reader would change them."""
+    notebook = json.loads((BOOK / chapter / "lab.ipynb").read_text())
+    cell = next(c for c in notebook["cells"] if "parameters" in c["metadata"].get("tags", []))
+    values: dict[str, object] = {}
+    exec("".join(cell["source"]), {}, values)
+    return values
+
+
+def test_ch1_more_kv_heads_grow_each_step():
+    lab = lab_parameters("01_cache_contents")
+    knobs = {k: lab[k] for k in ("layers", "hidden", "heads", "vocab")}
+    default = sizing.kv_bytes_per_token(
+        models.tiny_config(lab["family"], kv_heads=lab["kv_heads"], **knobs), torch.float32
+    )
+    changed = sizing.kv_bytes_per_token(models.tiny_config(lab["family"], kv_heads=8, **knobs), torch.float32)
+    answer = answers("01_cache_contents/index.md")[0]
+    assert (
+        f"{changed:,} bytes per token, against {default:,} with the default {lab['kv_heads']} KV heads"
+        in answer
+    )
+    assert f"{changed // default} times more" in answer
+
+
+def test_ch1_a_conversation_is_not_its_cache():
+    tokens = parse_tokens("8k")
+    cache = sizing.kv_cache_bytes(LLAMA_8B, tokens, 1, "bf16")
+    ids = tokens * 4
+    answer = answers("01_cache_contents/index.md")[1]
+    assert f"The cache is {format_bytes(cache)}; the token ids are {format_bytes(ids)}" in answer
+    assert f"{cache // ids:,} times less" in answer
