@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlab import cli, explain_vllm
+from kvlab import budget, cli, explain_vllm, hardware, units, vllm_log
 
 DATA = Path(__file__).parent / "data" / "vllm_logs"
 INDEX = json.loads((DATA / "index.json").read_text())
@@ -63,3 +63,51 @@ def test_a_bad_log_exits_2_with_one_line(tmp_path, capsys):
 def test_a_missing_file_exits_2_with_one_line(tmp_path, capsys):
     assert cli.main(["explain-vllm", str(tmp_path / "absent.log")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def _row(out: str, term: str) -> str:
+    return next(line for line in out.splitlines() if line.strip().startswith(term))
+
+
+def test_kvlabs_column_is_kvlab_size_gpus_arithmetic_at_the_logs_settings(capsys):
+    # A v1 log (0.10.2, enforce_eager, no utilisation printed) read as if on an H100 SXM: kvlab's terms must be
+    # memory_budget's at vLLM 0.33's defaults for that GPU, with the log's eager mode and max_model_len.
+    h100 = hardware.get("H100-SXM")
+    log = vllm_log.parse((DATA / "jetson-thor-llama31-8b-v0.10.2.log").read_text())
+    found = explain_vllm.estimate(log, "meta-llama/Llama-3.1-8B", h100.memory_bytes)
+    expected = budget.BudgetSettings(enforce_eager=True, max_model_len=131072).memory_budget(
+        "meta-llama/Llama-3.1-8B", h100
+    )
+    assert found.memory.kv_headroom_bytes == expected.kv_headroom_bytes
+    assert (found.max_num_batched_tokens, found.max_num_seqs) == (8192, 1024)  # vLLM serve on a >= 70 GiB GPU
+    gib = h100.memory_bytes / 2**30
+    assert (
+        cli.main(
+            ["explain-vllm", str(DATA / "jetson-thor-llama31-8b-v0.10.2.log"), "--gpu-memory-gib", str(gib)]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert units.format_bytes(expected.kv_headroom_bytes) in _row(out, "available KV memory")
+    assert units.format_bytes(expected.runtime_bytes) in _row(out, "non-torch memory")
+    assert units.format_bytes(expected.peak_bytes) in _row(out, "activation peak")
+
+
+def test_every_kvlab_figure_the_model_does_not_fix_is_labelled_an_estimate(capsys):
+    cli.main(["explain-vllm", str(DATA / "vllm-practice-llama31-8b-40k.log"), "--gpu-memory-gib", "79.6"])
+    out = capsys.readouterr().out
+    for term in ("driver reserve", "non-torch memory", "activation peak"):
+        assert "estimate" in _row(out, term), term
+
+
+def test_a_v0_log_is_charged_no_cuda_graphs_and_a_whole_prompt_profiled(capsys):
+    # v0 did not subtract graph memory; with chunked prefill off (max_model_len 20,000 <= 32k) it profiles
+    # one whole 20,000-token prompt, the length the concurrency line prints.
+    log = vllm_log.parse((DATA / "rtx3090-llama31-8b-20k.log").read_text())
+    found = explain_vllm.estimate(log, "meta-llama/Llama-3.1-8B")
+    assert found.memory.cuda_graph_bytes == 0
+    assert found.max_num_batched_tokens == 20000
+    assert found.settings.gpu_memory_utilization == 0.9  # printed
+    assert found.memory.driver_reserved_bytes == 0  # the log prints CUDA's own total
+    # kvlab's pool stays below what that vLLM found (3.81 GiB): the estimates are on the high side
+    assert 0 < found.memory.kv_headroom_bytes < log.available_kv.bytes

@@ -1,17 +1,22 @@
 """`kvlab explain-vllm LOGFILE`: a vLLM server's start-up budget, term by term, beside kvlab's figures.
 
 The log (read by `kvlab.vllm_log`) gives what vLLM measured: weights, memory outside PyTorch, the activation
-peak, CUDA graphs, the KV memory left and the tokens it holds. kvlab prints its own figure for each term
-(`kvlab.sizing`, `kvlab.budget`), recomputes the token count from the printed KV memory with its exact per-token
-bytes, explains the concurrency figure, and names the lever for the largest term. Chapter: *Active tokens, not
+peak, CUDA graphs, the KV memory left and the tokens it holds. kvlab prints its own figure for each term by the
+arithmetic of `kvlab size --gpu` (`kvlab.budget.memory_budget`, at the settings the log prints and vLLM's
+defaults for the rest: `estimate`), each estimated term labelled so, recomputes the token count from the printed
+KV memory with its exact per-token bytes, explains the concurrency figure, and names the lever for the largest
+term. Chapter: *Active tokens, not
 batch size* (book/05_active_tokens).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import re
 from dataclasses import dataclass
 
-from kvlab import arch, budget
+from kvlab import arch, budget, hardware
 from kvlab.units import dtype_bytes, format_bytes
 from kvlab.vllm_log import DEFAULT_BLOCK_SIZE, StartupLog
 
@@ -91,15 +96,96 @@ def _cell(value: int | None) -> str:
     return "—" if value is None else format_bytes(value)
 
 
+# vLLM's --dtype names and the element kvlab sizes the weights (and an "auto" KV cache) with
+_RUN_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
+# vLLM v0's default utilisation (vllm-project/vllm#2162 documents it); 0.33.0's is vllm_defaults'.
+V0_GPU_MEMORY_UTILIZATION = 0.9
+# The first version that subtracts its CUDA-graph estimate from the KV memory by default (kvlab.budget).
+CUDA_GRAPH_ESTIMATE_SINCE = (0, 21)
+
+
+def _version(text: str | None) -> tuple[int, int] | None:
+    found = re.match(r"(\d+)\.(\d+)", text or "")
+    return None if found is None else (int(found.group(1)), int(found.group(2)))
+
+
+def _run_dtype(log: StartupLog, sized: str) -> str:
+    """The element the model runs in: the log's --dtype, else the config's declared dtype."""
+    from kvlab.shape import shape
+
+    name = log.dtype or str(shape(sized).dtype).removeprefix("torch.")
+    if name not in _RUN_DTYPES:
+        raise ValueError(f"dtype {name!r} is not one kvlab sizes ({', '.join(_RUN_DTYPES)})")
+    return _RUN_DTYPES[name]
+
+
+def settings(log: StartupLog, sized: str) -> budget.BudgetSettings:
+    """The `kvlab size --gpu` settings of the server that wrote `log`: what it printed, else the defaults of
+    its era (v0's utilisation and chunked-prefill rule; no CUDA-graph charge before 0.21) and vLLM 0.33.0's."""
+    v0 = log.format == "v0"
+    version = _version(log.vllm_version)
+    run = _run_dtype(log, sized)
+    utilization = log.gpu_memory_utilization or (
+        V0_GPU_MEMORY_UTILIZATION if v0 else budget.GPU_MEMORY_UTILIZATION
+    )
+    # vLLM prints max_model_len in the concurrency line too ("Maximum concurrency for N tokens per request")
+    longest = log.max_seq_len or log.max_concurrency_tokens
+    chunked = True
+    if v0 and longest is not None:
+        # v0 chunks prefill only past 32k tokens of max_model_len, or when the budget is below one prompt.
+        chunked = longest > 32768 or (log.max_num_batched_tokens or longest) < longest
+    return budget.BudgetSettings(
+        kv_dtype=kv_dtype(log) or run,
+        weight_dtype=run,
+        gpu_memory_utilization=utilization,
+        max_num_batched_tokens=log.max_num_batched_tokens,
+        block_size=log.block_size or DEFAULT_BLOCK_SIZE,
+        tp=log.tensor_parallel_size or 1,
+        enable_chunked_prefill=chunked,
+        max_model_len=longest,
+        enforce_eager=bool(log.enforce_eager),
+        estimate_cuda_graphs=not v0 and (version is None or version >= CUDA_GRAPH_ESTIMATE_SINCE),
+    )
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """kvlab's budget for a logged server, the settings it was sized at and the step it profiles."""
+
+    memory: budget.MemoryBudget
+    settings: budget.BudgetSettings
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+
+def estimate(log: StartupLog, sized: str, total_bytes: int | None = None) -> Estimate:
+    """kvlab's budget for the server that wrote `log`, by `kvlab size --gpu`'s arithmetic (`memory_budget`).
+
+    The capacity is the log's printed total (CUDA's, so no driver reserve is estimated), else `total_bytes`
+    (NVML's, as nvidia-smi prints it). With neither, the capacity is unknown: the budget is that of a nominal
+    one-byte GPU, whose terms other than the capacity and the KV memory are still the estimates (at vLLM's
+    batch defaults for a GPU below 70 GiB unless the log prints its token budget)."""
+    s = settings(log, sized)
+    printed = log.total_gpu_memory.bytes if log.total_gpu_memory else None
+    capacity = printed or total_bytes or 1
+    gpu = hardware.Accelerator(
+        "GPU of the log", capacity, capacity, 1.0, 1.0, 1.0, None, "the log or the user"
+    )
+    reserve = 0 if printed is not None or total_bytes is None else None
+    mb = budget.memory_budget(sized, gpu, **dataclasses.asdict(s), driver_reserved_bytes=reserve)
+    return Estimate(mb, s, *s.batch_limits(gpu, sized))
+
+
 def explain(log: StartupLog, model: str | None = None, total_bytes: int | None = None) -> str:
-    """The report `kvlab explain-vllm` prints. `model` and `total_bytes` fill what the log does not say."""
+    """The report `kvlab explain-vllm` prints. `model` and `total_bytes` (NVML's total, as nvidia-smi prints
+    it) fill what the log does not say."""
     name = model or log.model
     sized = registry_name(name)
     tp = log.tensor_parallel_size or 1
     block = log.block_size or DEFAULT_BLOCK_SIZE
-    total = log.total_gpu_memory.bytes if log.total_gpu_memory else total_bytes
+    printed_total = log.total_gpu_memory.bytes if log.total_gpu_memory else None
+    total = printed_total or total_bytes
     utilization = log.gpu_memory_utilization
-    batched = log.max_num_batched_tokens or budget.MAX_NUM_BATCHED_TOKENS
     out = [
         f"vLLM start-up log ({log.format}, vLLM {log.vllm_version or 'version not printed'}): "
         f"model {name or 'not printed (pass --model)'}, TP={tp}, max_seq_len={log.max_seq_len or 'not printed'}"
@@ -109,68 +195,100 @@ def explain(log: StartupLog, model: str | None = None, total_bytes: int | None =
             f"  kvlab cannot size {name or 'an unnamed model'} offline (not in `kvlab models`): vLLM's figures only"
         )
     dtype = kv_dtype(log)
-    per_token = kv_estimate = weights = activation = None
+    per_token = mb = s = None
+    # the profiled step; only read once kvlab can size the model
+    batched = seqs = 0
     if sized is not None:
-        from kvlab.sizing import kv_bytes_per_token, weight_bytes_per_gpu
+        from kvlab.sizing import kv_bytes_per_token
 
         per_token = kv_bytes_per_token(sized, dtype, tp=tp)
-        weights = weight_bytes_per_gpu(sized, "bf16", tp=tp)
-        activation = budget.activation_workspace_bytes(sized, batched, budget.MAX_NUM_SEQS, "bf16", tp=tp)
-        if total is not None:
-            kv_estimate = budget.MemoryBudget(
-                capacity_bytes=total,
-                gpu_memory_utilization=utilization or budget.GPU_MEMORY_UTILIZATION,
-                runtime_bytes=budget.CUDA_CONTEXT_BYTES,
-                weight_bytes=weights,
-                activation_bytes=activation,
-                block_size=block,
-                kv_bytes_per_token=per_token,
-            ).kv_headroom_bytes
-    reserve = None
-    if total is not None:
-        reserve = total - int(total * (utilization or budget.GPU_MEMORY_UTILIZATION))
+        found = estimate(log, sized, total_bytes)
+        mb, s, batched, seqs = found.memory, found.settings, found.max_num_batched_tokens, found.max_num_seqs
 
     def printed(value: object) -> int | None:
         return None if value is None else value.bytes  # type: ignore[attr-defined]
 
+    known = total is not None and mb is not None
+    util = utilization or (s.gpu_memory_utilization if s else budget.GPU_MEMORY_UTILIZATION)
     terms = [
         Term(
             "GPU memory",
+            printed_total,
             total,
-            total,
-            "printed total_gpu_memory, or --gpu-memory" if total else "not printed",
+            "printed total_gpu_memory (CUDA's)"
+            if printed_total
+            else ("--gpu-memory-gib (NVML's, as nvidia-smi prints it)" if total else "not printed"),
+        ),
+        Term(
+            "driver reserve",
+            None,
+            mb.driver_reserved_bytes if known and mb else None,
+            "none: vLLM printed CUDA's own total"
+            if printed_total
+            else f"estimate: NVML's total less CUDA's ({budget.DRIVER_RESERVED_BYTES // 2**20} MiB)",
         ),
         Term(
             "engine reserve",
-            reserve if utilization is not None else None,
-            reserve,
-            f"1 - gpu_memory_utilization ({utilization})"
-            if utilization is not None
-            else f"not printed; kvlab takes gpu_memory_utilization {budget.GPU_MEMORY_UTILIZATION}",
+            printed_total - math.ceil(printed_total * utilization)
+            if printed_total is not None and utilization is not None
+            else None,
+            mb.engine_cap_bytes if known and mb else None,
+            f"1 - gpu_memory_utilization ({util:g}"
+            + ("" if utilization is not None else ", not printed: the era's default")
+            + ")",
         ),
-        Term("weights", printed(log.weights), weights, "kvlab: parameters × 2 bytes (bf16), one GPU's share"),
+        Term(
+            "weights",
+            printed(log.weights),
+            mb.weight_bytes if mb else None,
+            f"kvlab: parameters × bytes ({s.weight_dtype if s else 'bf16'}), one GPU's share",
+        ),
         Term(
             "non-torch memory",
             printed(log.non_torch),
-            budget.CUDA_CONTEXT_BYTES,
-            "kvlab: a fixed CUDA-context default (estimate)",
+            mb.runtime_bytes if mb else None,
+            f"kvlab: estimate at TP={tp} (kvlab.budget.non_torch_bytes)",
         ),
         Term(
             "activation peak",
             printed(log.activation_peak),
-            activation,
-            f"kvlab: estimate at {batched:,} batched tokens (kvlab.budget.activation_workspace_bytes)",
+            mb.peak_bytes if mb else None,
+            "kvlab: estimate, the larger of "
+            + (
+                f"the forward's {format_bytes(mb.activation_bytes)} at {batched:,} batched tokens and the "
+                f"sampler's {format_bytes(mb.sampler_bytes)} at {min(seqs, batched):,} rows of logits"
+                if mb
+                else "the forward's and the sampler's"
+            ),
         ),
-        Term("CUDA graphs", printed(log.cuda_graph), None, "kvlab does not charge graph memory"),
+        Term(
+            "CUDA graphs",
+            printed(log.cuda_graph),
+            mb.cuda_graph_bytes if mb else None,
+            _graph_note(s),
+        ),
         Term(
             "available KV memory",
             printed(log.available_kv),
-            kv_estimate,
-            "kvlab: GPU memory less the terms above",
+            mb.kv_headroom_bytes if known and mb else None,
+            "kvlab: GPU memory less the terms above (kvlab size --gpu's arithmetic)"
+            if known
+            else "kvlab: needs the GPU's total (pass --gpu-memory-gib)",
         ),
     ]
+    if mb is None:
+        # with no model to size, kvlab has no figure of its own beyond the GPU's terms
+        terms = [
+            t
+            if t.name in ("GPU memory", "engine reserve")
+            else dataclasses.replace(t, note="vLLM's figure only")
+            for t in terms
+        ]
     out.append(f"  {'term':<21}{'vLLM printed':>14}{'kvlab':>14}   note")
     out += [f"  {t.name:<21}{_cell(t.vllm):>14}{_cell(t.kvlab):>14}   {t.note}" for t in terms]
+    if mb is not None:
+        unknown = "" if known else "; the GPU's memory unknown, so vLLM's batch defaults below 70 GiB"
+        out.append(f"  kvlab's estimates assume {mb.settings_note}{unknown}")
     printed_tokens = log.tokens
     if per_token is not None and log.available_kv is not None:
         recomputed = tokens_from_memory(log.available_kv.bytes, per_token, block)
@@ -182,6 +300,16 @@ def explain(log: StartupLog, model: str | None = None, total_bytes: int | None =
     out += _concurrency(log, sized, dtype, tp, batched)
     out.append(_lever(terms, log))
     return "\n".join(out)
+
+
+def _graph_note(s: budget.BudgetSettings | None) -> str:
+    if s is None:
+        return "kvlab: estimate (kvlab.budget.cuda_graph_bytes)"
+    if s.enforce_eager:
+        return "kvlab: none, enforce_eager captures no graphs"
+    if not s.estimate_cuda_graphs:
+        return "kvlab: none charged, this vLLM (v0, or before 0.21) does not subtract graph memory"
+    return "kvlab: estimate (kvlab.budget.cuda_graph_bytes)"
 
 
 def _concurrency(log: StartupLog, sized: str | None, dtype: str | None, tp: int, batched: int) -> list[str]:
