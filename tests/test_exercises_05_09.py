@@ -166,3 +166,33 @@ def test_ch7_answers_and_takeaways():
     assert f"at most {block - 1} slots of 128 KiB: {format_bytes(per_sequence)}" in second
     assert f"For {seqs:,} sequences that is **{format_bytes(seqs * per_sequence)}**" in second
     assert f"**{100 * seqs * per_sequence / pool:.1f} %** of the {format_bytes(pool)} pool" in second
+
+
+# Chapter 8 -----------------------------------------------------------------------------------------------------
+
+
+def test_ch8_takeaways_give_vllms_max_num_seqs_by_gpu():
+    from kvlab import hardware, vllm_defaults
+
+    def default(gpu: str) -> int:
+        spec = hardware.spec_for(gpu)
+        assert spec is not None
+        return vllm_defaults.batch_defaults(spec.memory_bytes, spec.name).max_num_seqs
+
+    box = takeaways("08_continuous_batching")
+    assert f"default is {default(H100):,} on an H100, {default('A100-80GB')} on an A100" in box
+    assert default("L4") == default("A100-80GB")
+
+
+def test_ch8_answers():
+    from kvlab import hardware
+
+    first, second = answers("08_continuous_batching")
+    gpu = hardware.spec_for(H100)
+    assert gpu is not None
+    weights = sizing.weight_bytes(LLAMA_8B, "bf16")
+    assert f"The weights, {format_bytes(weights)}, read at {gpu.bandwidth_bytes_per_s / 1e12:.2f} TB/s" in first
+    assert f"about **{weights / gpu.bandwidth_bytes_per_s * 1e3:.1f} ms**" in first
+    fit = h100_budget().max_sequences(2_000)
+    assert f"The pool holds **{fit}** such requests, far below `max_num_seqs` = {h100_max_num_seqs():,}" in second
+    assert fit < h100_max_num_seqs()
