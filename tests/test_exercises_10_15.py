@@ -14,6 +14,7 @@ from pathlib import Path
 from transformers import LlamaConfig
 
 from kvlab import budget, quant, sizing
+from kvlab.offload.reload import recompute_vs_reload
 from kvlab.units import format_bytes
 
 BOOK = Path(__file__).resolve().parents[1] / "book"
@@ -92,3 +93,33 @@ def test_ch11_kivi_residual_of_128_stores_the_same() -> None:
         f"same {format_bytes(stored[128])}",
         f"{full / stored[128]:.1f}× less",
     )
+
+
+def test_ch12_reloading_a_32k_cache_over_pcie_gen4() -> None:
+    estimate = recompute_vs_reload(
+        "meta-llama/Llama-3.1-8B", "H100-SXM", "PCIe Gen4 x16", 32768, "bf16", "bf16"
+    )
+    at_8k = recompute_vs_reload("meta-llama/Llama-3.1-8B", "H100-SXM", "PCIe Gen4 x16", 8192, "bf16", "bf16")
+    assert estimate.speedup > at_8k.speedup, "the answer says the ratio is higher than at 8k tokens"
+    assert_in(
+        answers("12_beyond_hbm")[0],
+        f"{format_bytes(estimate.kv_bytes)} cache",
+        f"{estimate.reload_s * 1e3:.0f} ms",
+        f"{estimate.recompute_s * 1e3:.0f} ms",
+        f"{estimate.speedup:.1f}× faster",
+    )
+
+
+def test_ch12_fewer_kv_heads_stream_fewer_bytes() -> None:
+    # the lab's parameters: 4 layers, hidden 256, 8 query heads, fp32 on a CPU
+    def per_layer(kv_heads: int) -> str:
+        config = LlamaConfig(
+            num_hidden_layers=4,
+            hidden_size=256,
+            num_attention_heads=8,
+            num_key_value_heads=kv_heads,
+            vocab_size=256,
+        )
+        return format_bytes(sizing.kv_bytes_per_token(config, "fp32") // 4)
+
+    assert_in(answers("12_beyond_hbm")[1], f"from {per_layer(8)} to {per_layer(2)}")
