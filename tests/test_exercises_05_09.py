@@ -62,7 +62,9 @@ def test_each_chapter_ends_with_takeaways_and_answered_exercises(chapter):
     assert ":class: tip kvlab-takeaways" in text
     exercises = text.split("\n## Exercises\n", 1)[1]
     assert 2 <= len(ANSWER.findall(exercises)) <= 3, f"{chapter}: 2-3 answered exercises"
-    assert "kvlab sweep" in exercises or "parameters cell" in exercises, f"{chapter}: no exercise runs the lab"
+    assert "kvlab sweep" in exercises or "parameters cell" in exercises, (
+        f"{chapter}: no exercise runs the lab"
+    )
 
 
 # Chapter 5 -----------------------------------------------------------------------------------------------------
@@ -139,9 +141,12 @@ def test_ch6_answers():
         for gpu in (H100, "H200")
         for dtype in ("bf16", "fp8")
     ]
-    assert "On an H100 SXM: **{}** in bf16, **{}** in fp8. On an H200: **{}** in bf16, **{}** in fp8.".format(
-        *counts
-    ) in second
+    assert (
+        "On an H100 SXM: **{}** in bf16, **{}** in fp8. On an H200: **{}** in bf16, **{}** in fp8.".format(
+            *counts
+        )
+        in second
+    )
 
 
 # Chapter 7 -----------------------------------------------------------------------------------------------------
@@ -191,8 +196,39 @@ def test_ch8_answers():
     gpu = hardware.spec_for(H100)
     assert gpu is not None
     weights = sizing.weight_bytes(LLAMA_8B, "bf16")
-    assert f"The weights, {format_bytes(weights)}, read at {gpu.bandwidth_bytes_per_s / 1e12:.2f} TB/s" in first
+    assert (
+        f"The weights, {format_bytes(weights)}, read at {gpu.bandwidth_bytes_per_s / 1e12:.2f} TB/s" in first
+    )
     assert f"about **{weights / gpu.bandwidth_bytes_per_s * 1e3:.1f} ms**" in first
     fit = h100_budget().max_sequences(2_000)
-    assert f"The pool holds **{fit}** such requests, far below `max_num_seqs` = {h100_max_num_seqs():,}" in second
+    assert (
+        f"The pool holds **{fit}** such requests, far below `max_num_seqs` = {h100_max_num_seqs():,}"
+        in second
+    )
     assert fit < h100_max_num_seqs()
+
+
+# Chapter 9 -----------------------------------------------------------------------------------------------------
+
+
+def test_ch9_says_the_measured_saving_is_a_small_model_on_this_cpu():
+    opening = flat(page("09_prefix_caching").split("\n## ", 1)[0])
+    assert "ch9_real_ttft_saving" in opening
+    assert "measured for a 135M model on this CPU" in opening
+
+
+def test_ch9_answers():
+    first, second = answers("09_prefix_caching")
+    block = budget.BLOCK_SIZE
+    assert (
+        f"**{100 // block * block}** tokens in both runs: ⌊100 / {block}⌋ = {100 // block} whole blocks"
+        in first
+    )
+    assert 96 // block * block == 100 // block * block
+    blocks = 2_000 // block
+    per_block = block * sizing.kv_bytes_per_token(LLAMA_8B, "bf16")
+    fit = h100_budget().max_sequences(2_000)
+    assert f"⌊2,000 / {block}⌋ = {blocks} blocks of {format_bytes(per_block)}" in second
+    assert f"**{format_bytes(blocks * per_block)}**, held once" in second
+    assert f"{fit} copies hold **{format_bytes(fit * blocks * per_block)}**" in second
+    assert f"How much would {fit} requests" in flat(page("09_prefix_caching"))
