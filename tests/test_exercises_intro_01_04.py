@@ -147,3 +147,68 @@ def test_ch1_a_conversation_is_not_its_cache():
     answer = answers("01_cache_contents/index.md")[1]
     assert f"The cache is {format_bytes(cache)}; the token ids are {format_bytes(ids)}" in answer
     assert f"{cache // ids:,} times less" in answer
+
+
+QWEN_7B = "Qwen/Qwen2.5-7B"
+
+
+def worked_example() -> str:
+    text = page("02_sizing/index.md")
+    section = text.split("## Worked example", 1)[1].split("\n## ", 1)[0]
+    return " ".join(section.split())
+
+
+def test_ch2_worked_example_bytes_per_token():
+    config = json.loads((ROOT / "src" / "kvlab" / "configs" / "Qwen--Qwen2.5-7B.json").read_text())
+    layers, kv_heads = config["num_hidden_layers"], config["num_key_value_heads"]
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    per_token = sizing.kv_bytes_per_token(QWEN_7B, "bf16")
+    assert layers * 2 * kv_heads * head_dim * 2 == per_token
+    text = worked_example()
+    for field in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size"):
+        assert f'"{field}": {config[field]}' in text
+    assert f"{layers} layers × 2 × {kv_heads} KV heads × {head_dim} × 2 bytes = {per_token:,} bytes" in text
+    assert f"or {format_bytes(per_token)}" in text
+    tokens = parse_tokens("8k")
+    assert f"{tokens:,} tokens × {format_bytes(per_token)} = {format_bytes(tokens * per_token)}" in text
+
+
+def largest_max_num_seqs(model: str, gpu: str, context: int) -> int:
+    """The --max-num-seqs whose own budget holds that many sequences of `context` tokens (a fixed point)."""
+    seqs = budget.memory_budget(model, gpu).max_sequences(context)
+    while (fit := budget.memory_budget(model, gpu, max_num_seqs=seqs).max_sequences(context)) != seqs:
+        assert fit > seqs, "a smaller max_num_seqs never shrinks the pool"
+        seqs = fit
+    return seqs
+
+
+def test_ch2_worked_example_pool_and_max_num_seqs():
+    tokens = parse_tokens("8k")
+    default = budget.memory_budget(QWEN_7B, "H100-SXM")
+    text = worked_example()
+    assert f"the {format_bytes(default.weight_bytes)} of weights" in text
+    assert (
+        f"{format_bytes(default.kv_pool_bytes)} pool: {default.max_sequences(tokens)} requests of 8k" in text
+    )
+    seqs = largest_max_num_seqs(QWEN_7B, "H100-SXM", tokens)
+    tuned = budget.memory_budget(QWEN_7B, "H100-SXM", max_num_seqs=seqs)
+    assert f"`--max-num-seqs {seqs}`" in text
+    assert f"the pool grows to {format_bytes(tuned.kv_pool_bytes)}, and exactly {seqs} requests" in text
+    assert f"max_num_seqs={seqs})" in text
+    assert f"{seqs} sequences of {tokens:,} tokens fit" in text
+
+
+def test_ch2_fp8_halves_llama():
+    answer = answers("02_sizing/index.md")[0]
+    per_token = format_bytes(sizing.kv_bytes_per_token(LLAMA_8B, "fp8"))
+    full = format_bytes(sizing.kv_cache_bytes(LLAMA_8B, parse_tokens("128k"), 1, "fp8"))
+    assert f"{per_token} per token and {full} at 128k tokens" in answer
+
+
+def test_ch2_qwen_crossover_at_batch_8():
+    answer = answers("02_sizing/index.md")[1]
+    crossover = sizing.crossover_context(QWEN_7B, 8, "bf16", "bf16")
+    assert crossover is not None
+    assert f"At {crossover:,} tokens each" in answer
+    assert f"the {format_bytes(sizing.weight_bytes(QWEN_7B, 'bf16'))} of weights" in answer
+    assert f'crossover_context("{QWEN_7B}", 8)' in answer
