@@ -13,7 +13,7 @@ from pathlib import Path
 
 from transformers import LlamaConfig
 
-from kvlab import budget, quant, sizing
+from kvlab import budget, parallel, quant, sizing
 from kvlab.offload.reload import recompute_vs_reload
 from kvlab.units import format_bytes
 
@@ -123,3 +123,48 @@ def test_ch12_fewer_kv_heads_stream_fewer_bytes() -> None:
         return format_bytes(sizing.kv_bytes_per_token(config, "fp32") // 4)
 
     assert_in(answers("12_beyond_hbm")[1], f"from {per_layer(8)} to {per_layer(2)}")
+
+
+PLANS = {
+    "TP=8": (8, 1, 1),
+    "PP=8": (1, 8, 1),
+    "TP=4 × PP=2": (4, 2, 1),
+    "TP=2 × DP=4": (2, 1, 4),
+    "DP=8": (1, 1, 8),
+}
+
+
+def test_ch13_plan_table_is_what_kvlab_computes() -> None:
+    # chapter 13's lab parameters: Llama-3.1-70B, 32 sequences of 32,768 tokens, bf16, H100-SXM
+    model, context, batch = "meta-llama/Llama-3.1-70B", 32768, 32
+    page = (BOOK / "13_many_gpus" / "index.md").read_text()
+    rows = {}
+    for label, (tp, pp, dp) in PLANS.items():
+        where = parallel.placement(model, context, batch, tp=tp, pp=pp, dp=dp)
+        mem = budget.memory_budget(model, "H100-SXM", tp=tp, pp=pp)
+        fits = mem.fits and mem.max_sequences(context) >= where.sequences_per_replica
+        held = mem.max_sequences(context) * dp if mem.fits else 0
+        rows[label] = (
+            f"| {label} | {format_bytes(where.weight_bytes)} | {format_bytes(where.kv_bytes)} | "
+            f"{where.sequences_per_replica} | {held} | {'yes' if fits else 'no'} |"
+        )
+        assert rows[label] in page, f"chapter 13's table row should read {rows[label]}"
+
+
+def test_ch13_kv_heads_are_copied_past_their_count() -> None:
+    per_gpu = {
+        t: format_bytes(sizing.kv_bytes_per_token("meta-llama/Llama-3.1-70B", "bf16", tp=t))
+        for t in (1, 8, 16)
+    }
+    assert per_gpu[8] == per_gpu[16]
+    assert_in(
+        answers("13_many_gpus")[0],
+        f"{per_gpu[8]} at TP=8 and still {per_gpu[16]} at TP=16",
+        f"from {per_gpu[1]}",
+    )
+
+
+def test_ch13_tp8_holds_fewer_than_64_long_sequences() -> None:
+    held = budget.memory_budget("meta-llama/Llama-3.1-70B", "H100-SXM", tp=8).max_sequences(32768)
+    assert held < 64
+    assert_in(answers("13_many_gpus")[1], f"holds {held} sequences of 32,768 tokens", f"at most {held}")
