@@ -11,9 +11,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import yaml
 from transformers import LlamaConfig
 
-from kvlab import budget, parallel, quant, sizing
+from kvlab import arch, budget, parallel, quant, sizing, vllm_defaults
 from kvlab.offload.reload import recompute_vs_reload
 from kvlab.units import format_bytes
 
@@ -168,3 +169,58 @@ def test_ch13_tp8_holds_fewer_than_64_long_sequences() -> None:
     held = budget.memory_budget("meta-llama/Llama-3.1-70B", "H100-SXM", tp=8).max_sequences(32768)
     assert held < 64
     assert_in(answers("13_many_gpus")[1], f"holds {held} sequences of 32,768 tokens", f"at most {held}")
+
+
+GLOSSARY = {
+    "Prefill": "预填充",
+    "Decode": "解码",
+    "Active tokens": "活跃 token",
+    "GQA": "分组查询注意力",
+    "MQA": "多查询注意力",
+    "KV pool": "KV 缓存池",
+    "`gpu_memory_utilization`": "显存利用率",
+    "Preemption": "抢占",
+    "Chunked prefill": "分块预填充",
+}
+
+
+def test_glossary_has_the_serving_terms_with_their_chinese_names() -> None:
+    page = (BOOK / "appendix_cheat_sheet" / "index.md").read_text()
+    for term, chinese in GLOSSARY.items():
+        assert re.search(rf"^\*\*{re.escape(term)}\*\* \([^)]*{chinese}\)$", page, re.M), term
+
+
+def test_glossary_max_num_seqs_names_the_h100_default() -> None:
+    page = (BOOK / "appendix_cheat_sheet" / "index.md").read_text()
+    entry = page[page.index("**`max_num_seqs`**") :].split("\n\n")[0]
+    assert f"{vllm_defaults.BIG.max_num_seqs['serve']:,} for `vllm serve` on an H100" in entry
+
+
+def test_deepseek_v3_caches_a_576_wide_latent() -> None:
+    shape = sizing.cached_shapes("deepseek-ai/DeepSeek-V3")
+    assert shape == "latent 512 + rope 64"
+    layers = arch.describe("deepseek-ai/DeepSeek-V3").num_layers
+    assert sizing.kv_bytes_per_token("deepseek-ai/DeepSeek-V3", "bf16") == layers * (512 + 64) * 2
+    assert "512 + 64 = 576" in (BOOK / "appendix_cheat_sheet" / "index.md").read_text()
+
+
+def test_chinese_guide_links_every_chapter_and_is_in_the_toc() -> None:
+    guide = (BOOK / "zh_guide.md").read_text()
+    for chapter in sorted(p.parent.name for p in BOOK.glob("[0-9][0-9]_*/index.md")):
+        assert f"]({chapter}/index.md)" in guide, chapter
+    assert "KV Cache 为什么会占用大量 GPU 显存，它到底保存了什么数据" in guide, "credits the source article"
+    assert "file: book/zh_guide" in (BOOK.parent / "_toc.yml").read_text()
+    # its numbers: Llama-3.1-8B's bytes per token, 32 users at 10k tokens against the weights
+    model = "meta-llama/Llama-3.1-8B"
+    assert f"{sizing.kv_bytes_per_token(model, 'bf16'):,} 字节" in guide
+    assert f"约 {sizing.kv_cache_bytes(model, 10_000, 32, 'bf16') / 2**30:.0f} GiB" in guide
+    assert f"约 {format_bytes(sizing.weight_bytes(model, 'bf16'))}" in guide
+
+
+def test_toc_puts_chapters_14_and_15_in_planning_a_deployment() -> None:
+    toc = yaml.safe_load((BOOK.parent / "_toc.yml").read_text())
+    part = next(p for p in toc["parts"] if p["caption"] == "Planning a deployment")
+    assert [c["file"] for c in part["chapters"]] == [
+        "book/14_capacity_planning/index",
+        "book/15_where_to_start/index",
+    ]
