@@ -242,3 +242,27 @@ def test_load_curve_is_one_row_per_rate_of_the_keys_asked_for():
     assert curve.tolist() == [
         [r, out["p99_ttft_ms"], out["num_preemptions"]] for r, out in zip((2.0, 50.0), sweep, strict=True)
     ]
+
+
+def test_progress_counts_every_finished_request_and_is_silent_off_a_terminal(monkeypatch, capsys):
+    cost = sim.LinearStepCost(1e-3, 1e-5)
+    knobs = dict(num_blocks=64, block_size=8, record_steps=False)
+    quiet = sim.simulate(trace(12, 5.0, seed=1), cost, **knobs)
+    shown = sim.simulate(trace(12, 5.0, seed=1), cost, progress="simulating", **knobs)
+    assert shown.summary() == quiet.summary()
+    assert capsys.readouterr().err == ""
+
+    class Bar:
+        n = 0
+        closed = False
+
+        def update(self):
+            self.n += 1
+
+        def close(self):
+            self.closed = True
+
+    bar = Bar()
+    monkeypatch.setattr(sim, "_progress_bar", lambda label, total: bar)
+    sim.simulate(trace(12, 5.0, seed=1), cost, progress="simulating", **knobs)
+    assert bar.n == 12 and bar.closed

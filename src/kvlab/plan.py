@@ -355,6 +355,7 @@ def plan(
             enable_prefix_caching=caching,
             concurrency=concurrency,
             record_steps=False,
+            progress=f"simulating {layout}",
         )
 
     # Targets no GPU count meets: even a request alone on an idle replica misses them.

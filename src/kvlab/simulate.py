@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import math
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -269,6 +270,7 @@ def simulate(
     concurrency: int | None = None,
     record_steps: bool = True,
     max_steps: int = 10_000_000,
+    progress: str | None = None,
     **knobs: Any,
 ) -> SimulationResult:
     """Replay `trace` through kvlab's engine with no model: a `CostRunner` charged by `cost` on a virtual clock.
@@ -280,7 +282,8 @@ def simulate(
     requests arrive at 0 and each finish lets the next one in, at that moment; the trace's arrival times are
     ignored. `record_steps=False` skips the per-step statistics (`StepStats`), several times faster for long
     traces. A request that can never fit (prompt not shorter than `max_model_len`) is an error here, not a
-    silent drop.
+    silent drop. With `progress` (its label), a bar of finished requests goes to stderr once a run has taken
+    more than two seconds, on a terminal only.
     """
     _check_trace(trace)
     config = EngineConfig(**knobs) if config is None else replace(config, **knobs)
@@ -325,6 +328,9 @@ def simulate(
     if concurrency is not None:
         engine.scheduler.on_finish.append(admit_next)
     engine.scheduler.on_step.append(note_peak)
+    bar = _progress_bar(progress, len(trace))
+    if bar is not None:
+        engine.scheduler.on_finish.append(lambda seq: bar.update())
     queued: list[int] = []
     running_sum = 0
     scheduler = engine.scheduler
@@ -342,6 +348,8 @@ def simulate(
             running_sum += len(scheduler.running)
     else:
         raise RuntimeError(f"simulation did not finish in {max_steps} steps")
+    if bar is not None:
+        bar.close()
     return SimulationResult(
         [s.metrics for s in seqs],
         engine.step_stats,
@@ -353,6 +361,15 @@ def simulate(
         queued,
         running_sum / max(len(runner.step_seconds), 1) if not record_steps else None,
     )
+
+
+def _progress_bar(label: str | None, total: int) -> Any:
+    """A tqdm bar on stderr that appears after two seconds, and never where stderr is not a terminal."""
+    if label is None:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=label, unit="req", delay=2, disable=None, file=sys.stderr, leave=False)
 
 
 def simulate_at_rates(
