@@ -16,7 +16,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from kvlab import arch, budget, hardware
+from kvlab import arch, budget, hardware, vllm_defaults
 from kvlab.units import dtype_bytes, format_bytes
 from kvlab.vllm_log import DEFAULT_BLOCK_SIZE, StartupLog
 
@@ -98,10 +98,6 @@ def _cell(value: int | None) -> str:
 
 # vLLM's --dtype names and the element kvlab sizes the weights (and an "auto" KV cache) with
 _RUN_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
-# vLLM v0's default utilisation (vllm-project/vllm#2162 documents it); 0.33.0's is vllm_defaults'.
-V0_GPU_MEMORY_UTILIZATION = 0.9
-# The first version that subtracts its CUDA-graph estimate from the KV memory by default (kvlab.budget).
-CUDA_GRAPH_ESTIMATE_SINCE = (0, 21)
 
 
 def _version(text: str | None) -> tuple[int, int] | None:
@@ -126,7 +122,7 @@ def settings(log: StartupLog, sized: str) -> budget.BudgetSettings:
     version = _version(log.vllm_version)
     run = _run_dtype(log, sized)
     utilization = log.gpu_memory_utilization or (
-        V0_GPU_MEMORY_UTILIZATION if v0 else budget.GPU_MEMORY_UTILIZATION
+        vllm_defaults.V0_GPU_MEMORY_UTILIZATION if v0 else budget.GPU_MEMORY_UTILIZATION
     )
     # vLLM prints max_model_len in the concurrency line too ("Maximum concurrency for N tokens per request")
     longest = log.max_seq_len or log.max_concurrency_tokens
@@ -144,7 +140,8 @@ def settings(log: StartupLog, sized: str) -> budget.BudgetSettings:
         enable_chunked_prefill=chunked,
         max_model_len=longest,
         enforce_eager=bool(log.enforce_eager),
-        estimate_cuda_graphs=not v0 and (version is None or version >= CUDA_GRAPH_ESTIMATE_SINCE),
+        estimate_cuda_graphs=not v0
+        and (version is None or version >= vllm_defaults.ESTIMATE_CUDA_GRAPHS_SINCE),
     )
 
 

@@ -39,6 +39,11 @@ KV_CACHE_DTYPE = "auto"
 # vllm/envs.py, VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS defaults to "1": the CUDA-graph estimate is
 # subtracted from the KV memory (vllm/v1/worker/gpu_worker.py, determine_available_memory).
 ESTIMATE_CUDA_GRAPHS = True
+# The first release where that default holds; older logs were sized without the estimate (kvlab.budget).
+ESTIMATE_CUDA_GRAPHS_SINCE = (0, 21)
+# The v0 engine's default utilisation (vllm/engine/arg_utils.py of 0.6.x, EngineArgs.gpu_memory_utilization;
+# documented in vllm-project/vllm#2162), what a v0 start-up log that prints none was sized with.
+V0_GPU_MEMORY_UTILIZATION = 0.9
 # vllm/config/vllm.py, VllmConfig._set_cudagraph_sizes: graphs are captured up to min(2 × max_num_seqs, 512)
 # tokens (1024 on data-centre Blackwell), and never above max_num_batched_tokens.
 MAX_CUDAGRAPH_CAPTURE_SIZE = 512
