@@ -15,6 +15,7 @@ import yaml
 from transformers import LlamaConfig
 
 from kvlab import arch, budget, parallel, quant, sizing, vllm_defaults
+from kvlab.diagnose import deployment_from_dict, diagnose
 from kvlab.offload.reload import recompute_vs_reload
 from kvlab.units import format_bytes
 
@@ -41,7 +42,7 @@ def test_every_chapter_has_two_or_three_answered_exercises() -> None:
         "12_beyond_hbm",
         "13_many_gpus",
         "14_capacity_planning",
-        # 15_where_to_start: its exercises are still to be written (see the helper report)
+        "15_where_to_start",
     ):
         assert 2 <= len(answers(chapter)) <= 3, chapter
 
@@ -257,3 +258,69 @@ def test_ch14_fp8_requests_and_a_squeezed_pool() -> None:
         f"{bf16.max_sequences(8192)}",
     )
     assert_in(second, f"{squeezed.max_tokens():,} tokens", format_bytes(squeezed.kv_pool_bytes))
+
+
+# chapter 15's lab workloads (its parameters cell), on its GPU
+CH15_CHAT = dict(gpu="H100-SXM", model="meta-llama/Llama-3.1-8B", mean_input=161.31, mean_output=337.99)
+CH15_MHA = dict(
+    model="meta-llama/Llama-2-7b-hf",
+    gpu="A100-80GB",
+    mean_input=2000,
+    mean_output=500,
+    concurrency=64,
+    max_model_len=4096,
+)
+CH15_70B = dict(
+    model="meta-llama/Llama-3.1-70B", mean_input=500, mean_output=300, concurrency=16, max_model_len=8192
+)
+
+
+def applying(spec: dict) -> list[int]:
+    return [lever.step for lever in diagnose(deployment_from_dict(spec)).levers if lever.applies]
+
+
+def test_ch15_short_chat_at_three_times_the_rate() -> None:
+    at_20 = diagnose(deployment_from_dict(CH15_CHAT | {"rate": 20.0}))
+    at_60 = diagnose(deployment_from_dict(CH15_CHAT | {"rate": 60.0}))
+    # the exercise's command line rounds the lab's mean lengths
+    cli = diagnose(deployment_from_dict(CH15_CHAT | {"mean_input": 161, "mean_output": 338, "rate": 60.0}))
+    assert round(cli.concurrency) == round(at_60.concurrency)
+    assert applying(CH15_CHAT | {"rate": 60.0}) == [1], "only the length statistics apply"
+    assert at_60.first is not None and at_60.first.numbers["worst_case"] < at_60.concurrency
+    assert at_60.concurrency <= at_60.first.numbers["typical"], "the mean request leaves room for all"
+    assert_in(
+        answers("15_where_to_start")[0],
+        "length statistics still come first",
+        f"About {round(at_60.concurrency):,} requests are in flight now, against {round(at_20.concurrency):,}",
+        f"{at_60.deployment.context_limit:,}-token `max_model_len`",
+        f"only {at_60.first.numbers['worst_case']:.0f} worst-case requests",
+    )
+
+
+def test_ch15_mha_summaries_with_an_output_spread() -> None:
+    even = diagnose(deployment_from_dict(CH15_MHA))
+    spread = diagnose(deployment_from_dict(CH15_MHA | {"output_cv": 1.0}))
+    assert even.first is not None and spread.first is not None
+    assert even.first.step == spread.first.step == 2
+    per_request = spread.workload.mean_resident - even.workload.mean_resident
+    assert_in(
+        answers("15_where_to_start")[1],
+        f"{spread.first.numbers['resident']:,.0f} tokens are resident instead of {even.first.numbers['resident']:,.0f}",
+        f"adds {per_request:,.0f} tokens per request",
+        f"from {even.first.numbers['fits_seqs']:.0f} to {spread.first.numbers['fits_seqs']:.0f} running requests",
+        f"`--max-num-seqs {spread.first.numbers['fits_seqs']:.0f}`",
+    )
+
+
+def test_ch15_70b_tensor_parallel_size_by_gpu() -> None:
+    tp = {}
+    for gpu in ("H200", "H100-SXM"):
+        d = diagnose(deployment_from_dict(CH15_70B | {"gpu": gpu}))
+        assert d.first is not None and d.first.step == 9, gpu
+        tp[gpu] = int(d.first.numbers["tp_fit"])
+    assert tp["H200"] < tp["H100-SXM"]
+    assert_in(
+        answers("15_where_to_start")[2],
+        f"`--tensor-parallel-size {tp['H200']}` on an H200, against {tp['H100-SXM']} on an H100-SXM",
+        f"at TP={tp['H200']}",
+    )
