@@ -372,12 +372,6 @@ def _add_explain_vllm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-gib", type=float, help="the GPU's total memory in GiB, when the log prints none")
 
 
-def _add_explain_vllm_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("logfile", help="a vLLM server's start-up log (v1 or v0 format)")
-    p.add_argument("--model", help="the model, when the log prints no engine config line")
-    p.add_argument("--gpu-memory-gib", type=float, help="the GPU's total memory in GiB, when the log prints none")
-
-
 def _add_diagnose_arguments(p: argparse.ArgumentParser) -> None:
     from kvlab import diagnose
 
