@@ -216,3 +216,33 @@ def test_readme_reads_in_one_screen():
     chapters = sorted(p.parent.name for p in (ROOT / "book").glob("[0-9][0-9]_*/index.md"))
     listed = re.findall(r"^(\d+)\. \*\*", readme, flags=re.M)
     assert [int(n) for n in listed] == list(range(1, len(chapters) + 1)), "one line per chapter, in order"
+
+
+def notebook_logic(code: str) -> list[str]:
+    """The functions a lab cell defines that hold logic a test cannot reach: longer than 5 lines, or looping."""
+    import ast
+
+    lines = [line for line in code.splitlines() if not line.lstrip().startswith(("%", "!"))]
+    found = []
+    for node in ast.walk(ast.parse("\n".join(lines))):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        length = node.end_lineno - node.lineno + 1
+        loops = any(isinstance(n, ast.For | ast.While | ast.comprehension) for n in ast.walk(node))
+        if length > 5 or loops:
+            found.append(f"def {node.name}: {length} lines{', a loop' if loops else ''}")
+    return found
+
+
+def test_notebook_logic_is_found():
+    assert notebook_logic("def f(x):\n    return x + 1\n") == []
+    assert notebook_logic("def f(xs):\n    return [x for x in xs]\n") == ["def f: 2 lines, a loop"]
+    long = "def g():\n" + "    a = 1\n" * 5 + "    return a\n"
+    assert notebook_logic(long) == ["def g: 7 lines"]
+    assert notebook_logic("%matplotlib inline\nfor x in range(3):\n    pass\n") == []
+
+
+@pytest.mark.parametrize("lab", LABS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_labs_define_no_logic_a_test_cannot_reach(lab):
+    found = {i: notebook_logic(source(c)) for i, c in enumerate(code_cells(lab))}
+    assert not {i: f for i, f in found.items() if f}, "lift these into kvlab, with tests"
