@@ -15,7 +15,6 @@ from pathlib import Path
 import chromium
 import pdf
 import pytest
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 POPPLER = ("pdftotext", "pdfinfo", "pdfimages")
@@ -26,7 +25,7 @@ PAGES = range(100, 1001)
 
 
 def chapter_pages() -> list[Path]:
-    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    toc = pdf.english_toc()
     return [ROOT / f"{c['file']}.md" for part in toc["parts"] for c in part["chapters"]]
 
 
@@ -65,6 +64,11 @@ def book_pdf(tmp_path_factory):
     out = work / "kvlab.pdf"
     assert pdf.main(["--out", str(out), "--work", str(work)]) == 0
     return out
+
+
+def test_the_pdf_leaves_out_the_chinese_pages():
+    printed = [c["file"] for part in pdf.english_toc()["parts"] for c in part["chapters"]]
+    assert "book/zh_guide" not in printed and "book/01_cache_contents/index" in printed
 
 
 def test_the_sources_give_titles_and_captions():

@@ -57,14 +57,26 @@ span[id^="document-"] + section { break-before: page; }
 """
 
 
+def english_toc() -> dict:
+    """The book's table of contents without its Chinese pages: the PDF is the English edition, and the
+    machines that print it carry no CJK font (a Chinese page would print as empty boxes)."""
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    for part in toc["parts"]:
+        part["chapters"] = [c for c in part["chapters"] if not Path(c["file"]).name.startswith("zh")]
+    return toc
+
+
 def build_singlehtml(work: Path) -> Path:
     """Render the book into `work`/_build/singlehtml/index.html from the stored outputs; that file's path."""
     work.mkdir(parents=True, exist_ok=True)
     config = work / "_config.stored.yml"
     config.write_text(yaml.safe_dump(book_config.stored_config(), sort_keys=False))
+    toc = work / "_toc.yml"
+    toc.write_text(yaml.safe_dump(english_toc(), sort_keys=False))
     jupyter_book = Path(sys.executable).with_name("jupyter-book")
     cmd = [str(jupyter_book), "build", str(ROOT), "--all", "--builder", "singlehtml"]
-    cmd += ["--config", str(config), "--path-output", str(work), "-W", "-n", "--keep-going", "-q"]
+    cmd += ["--config", str(config), "--toc", str(toc), "--path-output", str(work)]
+    cmd += ["-W", "-n", "--keep-going", "-q"]
     subprocess.run(cmd, check=True, cwd=ROOT)
     out = work / "_build" / "singlehtml"
     # index.html only forwards to the root document, book/intro.html, whose links Sphinx writes two ways:
