@@ -135,9 +135,13 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--weight-dtype", default="bf16", choices=budget.DTYPES)
     p.add_argument("--kv-dtype", default="bf16", choices=budget.DTYPES)
-    p.add_argument("--max-num-seqs", type=_positive_int, help="default: vLLM's for the GPU (kvlab.vllm_defaults)")
     p.add_argument(
-        "--max-num-batched-tokens", type=_positive_int, help="default: vLLM's for the GPU (kvlab.vllm_defaults)"
+        "--max-num-seqs", type=_positive_int, help="default: vLLM's for the GPU (kvlab.vllm_defaults)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        help="default: vLLM's for the GPU (kvlab.vllm_defaults)",
     )
     p.add_argument("--usage-context", choices=["serve", "llm"], help="vllm serve (default) or the LLM class")
     p.add_argument("--block-size", type=_positive_int, default=budget.BLOCK_SIZE)
@@ -348,7 +352,9 @@ def _add_size_arguments(size: argparse.ArgumentParser) -> None:
         type=_positive_int,
         help="largest token batch of a step (sizes the activation peak); default: vLLM's for the GPU",
     )
-    size.add_argument("--usage-context", choices=["serve", "llm"], help="vllm serve (default) or the LLM class")
+    size.add_argument(
+        "--usage-context", choices=["serve", "llm"], help="vllm serve (default) or the LLM class"
+    )
     size.add_argument(
         "--tp", type=_positive_int, help="tensor-parallel GPUs: print what one GPU holds (vLLM's sharding)"
     )
@@ -369,7 +375,9 @@ def _add_size_arguments(size: argparse.ArgumentParser) -> None:
 def _add_explain_vllm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("logfile", help="a vLLM server's start-up log (v1 or v0 format)")
     p.add_argument("--model", help="the model, when the log prints no engine config line")
-    p.add_argument("--gpu-memory-gib", type=float, help="the GPU's total memory in GiB, when the log prints none")
+    p.add_argument(
+        "--gpu-memory-gib", type=float, help="the GPU's total memory in GiB, when the log prints none"
+    )
 
 
 def _add_diagnose_arguments(p: argparse.ArgumentParser) -> None:
@@ -384,7 +392,10 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "size": ("KV cache and weight bytes for a model, context and batch", _add_size_arguments),
     "plan": ("capacity plan against latency targets (modelled: kvlab.simulate)", _add_plan_arguments),
     "diagnose": ("which KV-cache lever applies first to a workload, and why", _add_diagnose_arguments),
-    "explain-vllm": ("a vLLM start-up log's memory budget, term by term, beside kvlab's", _add_explain_vllm_arguments),
+    "explain-vllm": (
+        "a vLLM start-up log's memory budget, term by term, beside kvlab's",
+        _add_explain_vllm_arguments,
+    ),
     "models": ("list the offline registry", lambda p: None),
     "sweep": ("run a lab over a parameter grid; glued scalars to CSV", sweep.add_arguments),
 }
