@@ -10,49 +10,21 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
+from book_pages import ANSWER, BOOK, TAKEAWAYS, answers, flat, lab_parameters, page
 
 from kvlab import budget, hardware, roofline, sizing
 from kvlab.units import format_bytes, format_floor, parse_tokens
 
-ROOT = Path(__file__).resolve().parents[1]
-BOOK = ROOT / "book"
 LLAMA_8B = "meta-llama/Llama-3.1-8B"
 H100 = "H100-SXM"
 CHAPTERS = ["03_prefill_decode", "04_bandwidth_bound"]
-ANSWER = re.compile(r"```\{dropdown\} Answer\n(.*?)\n```", re.DOTALL)
-TAKEAWAYS = re.compile(r":::\{admonition\} Takeaways\n(.*?)\n:::", re.DOTALL)
 CHECKED = re.compile(r"```\{dropdown\} How this is checked\n(.*?)\n```\n", re.DOTALL)
-
-
-def page(chapter: str) -> str:
-    return (BOOK / chapter / "index.md").read_text()
-
-
-def flat(text: str) -> str:
-    return " ".join(text.split())
-
-
-def answers(chapter: str) -> list[str]:
-    """The folded answers of a chapter page, in page order, with line breaks folded to spaces."""
-    found = [flat(block) for block in ANSWER.findall(page(chapter))]
-    assert found, f"{chapter} has no ```{{dropdown}} Answer block"
-    return found
 
 
 def exercises(chapter: str) -> str:
     return flat(page(chapter).split("\n## Exercises\n", 1)[1])
-
-
-def lab_parameters(chapter: str) -> dict[str, object]:
-    """The values of a lab's parameters cell, as the reader would change them."""
-    notebook = json.loads((BOOK / chapter / "lab.ipynb").read_text())
-    cell = next(c for c in notebook["cells"] if "parameters" in c["metadata"].get("tags", []))
-    values: dict[str, object] = {}
-    exec("".join(cell["source"]), {}, values)
-    return values
 
 
 def ms_floor(seconds: float, decimals: int) -> str:

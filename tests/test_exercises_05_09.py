@@ -8,36 +8,15 @@ computed (big models on the meta device through kvlab's own functions); nothing 
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
+from book_pages import ANSWER, TAKEAWAYS, answers, flat, page
 
 from kvlab import budget, sizing
 from kvlab.units import format_bytes
 
-ROOT = Path(__file__).resolve().parents[1]
-BOOK = ROOT / "book"
 LLAMA_8B = "meta-llama/Llama-3.1-8B"
 H100 = "H100-SXM"
-ANSWER = re.compile(r"```\{dropdown\} Answer\n(.*?)\n```", re.DOTALL)
-TAKEAWAYS = re.compile(r":::\{admonition\} Takeaways\n(.*?)\n:::", re.DOTALL)
 CHAPTERS = ["05_active_tokens", "06_long_context", "07_paging", "08_continuous_batching", "09_prefix_caching"]
-
-
-def page(chapter: str) -> str:
-    return (BOOK / chapter / "index.md").read_text()
-
-
-def flat(text: str) -> str:
-    return " ".join(text.split())
-
-
-def answers(chapter: str) -> list[str]:
-    """The folded answers of a chapter page, in page order, with line breaks folded to spaces."""
-    found = [flat(block) for block in ANSWER.findall(page(chapter))]
-    assert found, f"{chapter} has no ```{{dropdown}} Answer block"
-    return found
 
 
 def takeaways(chapter: str) -> str:

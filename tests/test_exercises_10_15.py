@@ -9,25 +9,15 @@ configs on the meta device, no forward passes.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import yaml
+from book_pages import BOOK, answers
 from transformers import LlamaConfig
 
 from kvlab import arch, budget, parallel, quant, sizing, vllm_defaults
 from kvlab.diagnose import deployment_from_dict, diagnose
 from kvlab.offload.reload import recompute_vs_reload
 from kvlab.units import format_bytes
-
-BOOK = Path(__file__).resolve().parents[1] / "book"
-ANSWER = re.compile(r"```\{dropdown\} Answer\n(.*?)\n```", re.S)
-
-
-def answers(chapter: str) -> list[str]:
-    """The text of each folded answer on a chapter's page, in order."""
-    found = ANSWER.findall((BOOK / chapter / "index.md").read_text())
-    assert found, f"{chapter}: no ```{{dropdown}} Answer``` block"
-    return found
 
 
 def assert_in(answer: str, *numbers: str) -> None:

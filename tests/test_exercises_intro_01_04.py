@@ -8,30 +8,15 @@ change in kvlab or in a registry config that moves an answer fails here instead 
 from __future__ import annotations
 
 import json
-import re
-from pathlib import Path
 
 import torch
+from book_pages import ANSWER, BOOK, answers, lab_parameters, page
 
 from kvlab import budget, models, sizing
 from kvlab.shape import shape
 from kvlab.units import format_bytes, parse_tokens
 
-ROOT = Path(__file__).resolve().parents[1]
-BOOK = ROOT / "book"
 LLAMA_8B = "meta-llama/Llama-3.1-8B"
-ANSWER = re.compile(r"```\{dropdown\} Answer\n(.*?)\n```", re.DOTALL)
-
-
-def page(name: str) -> str:
-    return (BOOK / name).read_text()
-
-
-def answers(name: str) -> list[str]:
-    """The folded answers of a chapter page, in page order, with line breaks folded to spaces."""
-    found = [" ".join(block.split()) for block in ANSWER.findall(page(name))]
-    assert found, f"{name} has no ```{{dropdown}} Answer block"
-    return found
 
 
 def first_screen(name: str) -> str:
@@ -116,15 +101,6 @@ def test_intro_credits_the_source_article():
     assert f"{ratio:,} times larger" in first_screen("intro.md")
 
 
-def lab_parameters(chapter: str) -> dict[str, object]:
-    """The values of a lab's parameters cell, as the reader would change them."""
-    notebook = json.loads((BOOK / chapter / "lab.ipynb").read_text())
-    cell = next(c for c in notebook["cells"] if "parameters" in c["metadata"].get("tags", []))
-    values: dict[str, object] = {}
-    exec("".join(cell["source"]), {}, values)
-    return values
-
-
 def test_ch1_more_kv_heads_grow_each_step():
     lab = lab_parameters("01_cache_contents")
     knobs = {k: lab[k] for k in ("layers", "hidden", "heads", "vocab")}
@@ -159,7 +135,7 @@ def worked_example() -> str:
 
 
 def test_ch2_worked_example_bytes_per_token():
-    config = json.loads((ROOT / "src" / "kvlab" / "configs" / "Qwen--Qwen2.5-7B.json").read_text())
+    config = json.loads((BOOK.parent / "src" / "kvlab" / "configs" / "Qwen--Qwen2.5-7B.json").read_text())
     layers, kv_heads = config["num_hidden_layers"], config["num_key_value_heads"]
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     per_token = sizing.kv_bytes_per_token(QWEN_7B, "bf16")
