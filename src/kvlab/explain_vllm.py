@@ -129,7 +129,10 @@ def settings(log: StartupLog, sized: str) -> budget.BudgetSettings:
     chunked = True
     if v0 and longest is not None:
         # v0 chunks prefill only past 32k tokens of max_model_len, or when the budget is below one prompt.
-        chunked = longest > 32768 or (log.max_num_batched_tokens or longest) < longest
+        chunked = (
+            longest > vllm_defaults.V0_CHUNKED_PREFILL_ABOVE
+            or (log.max_num_batched_tokens or longest) < longest
+        )
     return budget.BudgetSettings(
         kv_dtype=kv_dtype(log) or run,
         weight_dtype=run,

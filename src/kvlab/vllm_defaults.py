@@ -44,6 +44,9 @@ ESTIMATE_CUDA_GRAPHS_SINCE = (0, 21)
 # The v0 engine's default utilisation (vllm/engine/arg_utils.py of 0.6.x, EngineArgs.gpu_memory_utilization;
 # documented in vllm-project/vllm#2162), what a v0 start-up log that prints none was sized with.
 V0_GPU_MEMORY_UTILIZATION = 0.9
+# The v0 engine switched chunked prefill on by default only for a max_model_len above this many tokens
+# (vllm/engine/arg_utils.py of 0.6.x, EngineArgs.create_engine_config's long-context rule).
+V0_CHUNKED_PREFILL_ABOVE = 32768
 # vllm/config/vllm.py, VllmConfig._set_cudagraph_sizes: graphs are captured up to min(2 × max_num_seqs, 512)
 # tokens (1024 on data-centre Blackwell), and never above max_num_batched_tokens.
 MAX_CUDAGRAPH_CAPTURE_SIZE = 512
