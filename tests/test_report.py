@@ -47,3 +47,25 @@ def test_keeps_tokens_by_share_or_by_a_near_tie_at_the_first_difference():
 def test_keeps_tokens_rejects_a_threshold_outside_0_1():
     with pytest.raises(ValueError, match="threshold"):
         keeps_tokens(compare_tokens([1], [1]), 1.5)
+
+
+def test_glue_all_stores_each_value_under_its_prefixed_name_in_order(monkeypatch):
+    import myst_nb
+
+    from kvlab.report import glue_all
+
+    stored = []
+    monkeypatch.setattr(
+        myst_nb, "glue", lambda name, value, display=True: stored.append((name, value, display))
+    )
+    glue_all({"blocks": 12, "ratio": "1.5"}, prefix="ch7_")
+    assert stored == [("ch7_blocks", 12, False), ("ch7_ratio", "1.5", False)]
+
+
+def test_glue_all_refuses_a_name_the_glue_role_cannot_spell():
+    import pytest
+
+    from kvlab.report import glue_all
+
+    with pytest.raises(ValueError, match="identifier"):
+        glue_all({"two words": 1})

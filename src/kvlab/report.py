@@ -64,6 +64,22 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+# --- The numbers a chapter reads from its lab --------------------------------------------------------------------
+
+
+def glue_all(values: Mapping[str, Any], *, prefix: str = "") -> None:
+    """Glue every value of `values` for the chapter's `{glue}` roles, under `prefix` + its key, in their order.
+
+    One call per cell instead of one `glue()` line per number. Values are stored, not displayed, exactly as
+    `myst_nb.glue(name, value, display=False)` stores them, so the notebook's outputs are the same either way."""
+    from myst_nb import glue
+
+    for key, value in values.items():
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ValueError(f"glue name must be an identifier, got {key!r}")
+        glue(prefix + key, value, display=False)
+
+
 # --- Greedy agreement that a near-tie cannot flip ----------------------------------------------------------------
 
 
