@@ -170,3 +170,13 @@ def test_compute_dtype():
     if torch.cuda.is_available():  # pragma: no cover - GPU machines
         major, _ = torch.cuda.get_device_capability()
         assert compute_dtype("cuda") == (torch.bfloat16 if major >= 8 else torch.float16)
+
+
+def test_spec_for_a_form_factor_the_table_lacks_is_no_spec_not_another_part():
+    from kvlab.hardware import spec_for
+
+    # The table holds the H800 SXM5 part only, and no H100 NVL (94 GB): neither may borrow a listed part's spec.
+    assert spec_for("NVIDIA H800 PCIe") is None
+    assert spec_for("NVIDIA H100 NVL") is None
+    assert spec_for("NVIDIA H800").name == "H800"
+    assert spec_for("NVIDIA H100 PCIe").name == "H100-PCIe"

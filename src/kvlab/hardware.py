@@ -340,6 +340,10 @@ def _family(key: str) -> list[str]:
     return words[: first + 1]
 
 
+# Form-factor words in driver-reported names: the same family ships in parts with different memory and clocks.
+_FORM_FACTORS = ("PCIE", "SXM", "SXM4", "SXM5", "NVL")
+
+
 def spec_for(device_name: str) -> Accelerator | None:
     """The spec-table entry for a GPU by the name its driver reports, if any: its family in the name
     ('NVIDIA H200' -> H200), and among several of a family the variant named too ('H100 PCIe' -> H100-PCIe,
@@ -349,6 +353,15 @@ def spec_for(device_name: str) -> Accelerator | None:
     words = name.split("-")
     family = [spec for key, spec in SPECS.items() if all(word in words for word in _family(key))]
     variant = [spec for spec in family if "-" in spec.name and spec.name.upper().split("-", 1)[1] in name]
+    # A form factor the table does not hold (an H800 PCIe, when only the SXM part is listed) is another part:
+    # its memory and clocks differ, so the family's first entry would be a silently wrong spec.
+    named_form = [form for form in _FORM_FACTORS if form in words]
+    if (
+        named_form
+        and not variant
+        and not any(form in spec.name.upper() for spec in family for form in named_form)
+    ):
+        return None
     matches = variant or family
     return matches[0] if matches else None
 

@@ -118,8 +118,8 @@ class BatchDefaults:
     def describe(self) -> str:
         chunked = "" if self.enable_chunked_prefill else ", chunked prefill off: a whole max_model_len prompt"
         return (
-            f"vLLM {VLLM_VERSION}'s default for {USAGE_CONTEXTS[self.usage_context]} on a GPU of "
-            f"{self.tier.applies_to}{chunked} (vllm/engine/arg_utils.py)"
+            f"vLLM {VLLM_VERSION}'s default for {USAGE_CONTEXTS[self.usage_context]}, from its per-GPU row "
+            f"for {self.tier.applies_to}{chunked} (vllm/engine/arg_utils.py)"
         )
 
 
