@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 PHONY_TESTS := test-untimed test-timed
-.PHONY: help test-fast install book book-checked test $(PHONY_TESTS) lint pytest nbval smoke book-check outputs clean fork lab browser colab colab-nbval gpu gpu-wheels release pdf
+.PHONY: help test-fast install book book-checked test $(PHONY_TESTS) lint pytest nbval smoke book-check book-zh outputs clean fork lab browser colab colab-nbval gpu gpu-wheels release pdf diagrams
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -27,9 +27,11 @@ $(STAMP): requirements.txt pyproject.toml
 install: $(STAMP)
 
 ## make book: execute every notebook and build the HTML into _build/html; any failing cell or warning fails.
+## Then the Chinese edition into _build/html/zh (make book-zh).
 book: install
 	rm -rf _build/html _build/.doctrees
 	$(BIN)/jupyter-book build . --all -W -n --keep-going
+	$(MAKE) --no-print-directory book-zh
 
 ## make book-checked: the same HTML from the stored outputs, which nbval has just compared with a fresh run of
 ## every lab; `make test` uses it so that each lab is executed once per test run, not twice.
@@ -38,6 +40,18 @@ book-checked: install
 	mkdir -p _build
 	$(PY) tools/book_config.py stored > _build/_config.stored.yml
 	$(BIN)/jupyter-book build . --all -W -n --keep-going --config _build/_config.stored.yml
+	$(MAKE) --no-print-directory book-zh
+
+## make book-zh: the Chinese edition (_config_zh.yml over _config.yml, _toc_zh.yml) into _build/html/zh, warning-
+## free, from the labs' stored outputs (it glues them; the English build or nbval checks them). After the English
+## build, which empties _build/html.
+book-zh: install
+	rm -rf _build/zh _build/html/zh
+	mkdir -p _build/html
+	$(PY) tools/book_config.py zh > _build/_config.zh.yml
+	$(BIN)/jupyter-book build . --all -W -n --keep-going --config _build/_config.zh.yml --toc _toc_zh.yml \
+	  --path-output _build/zh
+	cp -r _build/zh/_build/html _build/html/zh
 
 ## make test: lint, pytest, nbval on every notebook (in the Colab-like clean venv, twice: this CPU's kernels and the
 ## baseline ones), a papermill smoke sweep, a warning-free book build and the browser checks. The checks no load
@@ -88,9 +102,10 @@ smoke: install
 ## make browser (after make book): every page of _build/html in headless Chromium, offline; screenshots in
 ## _build/screenshots/book, readability notes in _build/screenshots/readability.txt; and each chapter's visible
 ## prose against its limits (tools/prose.py: 30 % fewer running words than before the rewrite, sentences of 22
-## words on average, none over 60).
+## words on average, none over 60). The Chinese edition too: tools/browser_zh.py (screenshots in
+## _build/screenshots/zh, at 1280 and 412 px) and tools/prose_zh.py (40 汉字 a sentence on average, none over 100).
 browser: install
-	$(BIN)/pytest tools/browser_book.py tools/prose.py -p no:cacheprovider
+	$(BIN)/pytest tools/browser_book.py tools/prose.py tools/browser_diagrams.py tools/browser_zh.py tools/prose_zh.py -p no:cacheprovider
 
 ## make lab: JupyterLab at the repository root with the venv's kernel (labs trusted); prints the URL to open.
 ## LAB_PORT=8888 LAB_IP=127.0.0.1 by default; as root it adds --allow-root. Remote box: see docs/running.md.
@@ -120,6 +135,12 @@ release: install
 ## printed by headless Chromium once MathJax has typeset).
 pdf: install
 	$(PY) tools/pdf.py --out _build/pdf/kvlab.pdf --work _build/pdf
+
+## make diagrams: the book's mechanism diagrams (kvlab.diagrams), drawn from kvlab's own state, into
+## book/diagrams/*.svg; tests/test_diagrams.py checks the committed ones equal a fresh run, and make browser
+## (tools/browser_diagrams.py) that each is on its page with text of 11 px at 1280 px and 9 px at 412 px.
+diagrams: install
+	$(PY) tools/diagrams.py
 
 ## make fork REPO=https://github.com/you/kvlab: point launch buttons and Colab installs at a fork.
 fork:

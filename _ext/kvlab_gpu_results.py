@@ -46,7 +46,10 @@ class GpuResults(SphinxDirective):
         from kvlab import report
         from kvlab.sweep import glued_scalars
 
-        chapter = self.arguments[0] if self.arguments else Path(self.env.docname).parent.name
+        page = Path(self.env.docname)
+        # A Chinese page (book/zh/02_sizing.md) shows its chapter's runs, like book/02_sizing/index.md.
+        default = page.name if page.parent.name == "zh" else page.parent.name
+        chapter = self.arguments[0] if self.arguments else default
         results = Path(self.env.srcdir) / self.config.kvlab_gpu_results
         for path in sorted(results.glob(f"*/{chapter}.json")):
             self.env.note_dependency(str(path))  # a new or changed record rebuilds the page

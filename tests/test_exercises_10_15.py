@@ -195,19 +195,6 @@ def test_deepseek_v3_caches_a_576_wide_latent() -> None:
     assert "512 + 64 = 576" in (BOOK / "appendix_cheat_sheet" / "index.md").read_text()
 
 
-def test_chinese_guide_links_every_chapter_and_is_in_the_toc() -> None:
-    guide = (BOOK / "zh_guide.md").read_text()
-    for chapter in sorted(p.parent.name for p in BOOK.glob("[0-9][0-9]_*/index.md")):
-        assert f"]({chapter}/index.md)" in guide, chapter
-    assert "KV Cache 为什么会占用大量 GPU 显存，它到底保存了什么数据" in guide, "credits the source article"
-    assert "file: book/zh_guide" in (BOOK.parent / "_toc.yml").read_text()
-    # its numbers: Llama-3.1-8B's bytes per token, 32 users at 10k tokens against the weights
-    model = "meta-llama/Llama-3.1-8B"
-    assert f"{sizing.kv_bytes_per_token(model, 'bf16'):,} 字节" in guide
-    assert f"约 {sizing.kv_cache_bytes(model, 10_000, 32, 'bf16') / 2**30:.0f} GiB" in guide
-    assert f"约 {format_bytes(sizing.weight_bytes(model, 'bf16'))}" in guide
-
-
 def test_toc_puts_chapters_14_and_15_in_planning_a_deployment() -> None:
     toc = yaml.safe_load((BOOK.parent / "_toc.yml").read_text())
     part = next(p for p in toc["parts"] if p["caption"] == "Planning a deployment")

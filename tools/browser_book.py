@@ -28,6 +28,7 @@ VIEWPORT = {"width": 1280, "height": 900}  # a laptop screen; the book's column 
 MIN_PT = 9.0  # smallest readable legend / tick text in the rendered figure
 SKIP = {"genindex.html"}  # generated, no content of ours
 RAW = [r"\(", r"\[", "$$", "{glue"]
+ZH_EDITION = "zh"  # the Chinese edition's folder in the built site
 
 PAGE_CHECKS = r"""
 async () => {
@@ -145,7 +146,49 @@ def fixed_font_notes() -> list[str]:
 def pages() -> list[Path]:
     if not (HTML / "index.html").is_file():
         pytest.fail("no built book in _build/html: run `make book` first", pytrace=False)
-    return sorted(p for p in HTML.rglob("*.html") if "_static" not in p.parts and p.name not in SKIP)
+    # The Chinese edition (zh/, built by `make book-zh`) has its own test: tools/browser_zh.py.
+    return sorted(
+        p
+        for p in HTML.rglob("*.html")
+        if "_static" not in p.parts and p.name not in SKIP and p.relative_to(HTML).parts[0] != ZH_EDITION
+    )
+
+
+def read_page(context, path: Path, screenshot: Path | None) -> tuple[list[str], list[str], bool]:
+    """Open one built page in a browser context: (its problems, its readability notes, whether a screenshot was
+    saved). A redirect page (the root index.html) only has its target checked."""
+    name = str(path.relative_to(HTML))
+    redirect = re.search(r'http-equiv="refresh" content="0; url=([^"]+)"', path.read_text(), re.IGNORECASE)
+    if redirect:  # the root index.html only forwards to the first page
+        target = local_link_problem((path.parent / redirect[1]).as_uri(), path)
+        return ([f"{name}: {target}"] if target else []), [], False
+    problems, notes = [], []
+    page = context.new_page()
+    console: list[str] = []
+    page.on("console", lambda m, c=console: c.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e, c=console: c.append(str(e)))
+    page.on("requestfailed", lambda r, c=console: c.append(f"failed to load {r.url}"))
+    page.goto(path.as_uri(), wait_until="load")
+    found = page.evaluate(PAGE_CHECKS)
+    problems += [f"{name}: image does not load: {src}" for src in found["broken"]]
+    problems += [f"{name}: {p}" for href in set(found["links"]) if (p := local_link_problem(href, path))]
+    problems += [f"{name}: raw {raw!r} in the text" for raw in RAW if raw in found["text"]]
+    problems += [f"{name}: MathJax left untypeset: {m!r}" for m in found["untypeset"]]
+    problems += [f"{name}: MathJax error: {m!r}" for m in found["mathErrors"]]
+    problems += [f"{name}: JavaScript console: {m}" for m in console]
+    notes += [f"{name}: cross-reference not a link: {ref!r}" for ref in found["crossRefs"]]
+    notes += [f"{name}: equation wider than the column: {m!r}" for m in found["wideMath"]]
+    for figure in found["figures"]:
+        pt = figure_text_pt(figure)
+        if pt is not None and pt < MIN_PT:
+            image = Path(unquote(urlsplit(figure["src"]).path)).name
+            notes.append(
+                f"{name}: {image}: text ~{pt:.1f} pt at {figure['shown']:.0f} of {figure['natural']} px"
+            )
+    if screenshot is not None:
+        page.screenshot(path=str(screenshot), full_page=True)
+    page.close()
+    return problems, notes, screenshot is not None
 
 
 def test_every_page_reads_offline():
@@ -156,45 +199,11 @@ def test_every_page_reads_offline():
         context = chromium.new_context(viewport=VIEWPORT, offline=True)
         for path in pages():
             name = str(path.relative_to(HTML))
-            redirect = re.search(
-                r'http-equiv="refresh" content="0; url=([^"]+)"', path.read_text(), re.IGNORECASE
-            )
-            if redirect:  # the root index.html only forwards to the first page
-                problems += [
-                    f"{name}: {p}"
-                    for p in [local_link_problem((path.parent / redirect[1]).as_uri(), path)]
-                    if p
-                ]
-                continue
-            page = context.new_page()
-            console = []
-            page.on("console", lambda m, c=console: c.append(m.text) if m.type == "error" else None)
-            page.on("pageerror", lambda e, c=console: c.append(str(e)))
-            page.on("requestfailed", lambda r, c=console: c.append(f"failed to load {r.url}"))
-            page.goto(path.as_uri(), wait_until="load")
-            found = page.evaluate(PAGE_CHECKS)
-            problems += [f"{name}: image does not load: {src}" for src in found["broken"]]
-            problems += [
-                f"{name}: {p}" for href in set(found["links"]) if (p := local_link_problem(href, path))
-            ]
-            problems += [f"{name}: raw {raw!r} in the text" for raw in RAW if raw in found["text"]]
-            problems += [f"{name}: MathJax left untypeset: {m!r}" for m in found["untypeset"]]
-            problems += [f"{name}: MathJax error: {m!r}" for m in found["mathErrors"]]
-            problems += [f"{name}: JavaScript console: {m}" for m in console]
-            notes += [f"{name}: cross-reference not a link: {ref!r}" for ref in found["crossRefs"]]
-            notes += [f"{name}: equation wider than the column: {m!r}" for m in found["wideMath"]]
-            for figure in found["figures"]:
-                pt = figure_text_pt(figure)
-                if pt is not None and pt < MIN_PT:
-                    image = Path(unquote(urlsplit(figure["src"]).path)).name
-                    notes.append(
-                        f"{name}: {image}: text ~{pt:.1f} pt at {figure['shown']:.0f} of {figure['natural']} px"
-                    )
-            page.screenshot(
-                path=str(out / (re.sub(r"[/\\]", "__", name)[: -len(".html")] + ".png")), full_page=True
-            )
-            shots += 1
-            page.close()
+            shot = out / (re.sub(r"[/\\]", "__", name)[: -len(".html")] + ".png")
+            found_problems, found_notes, shot_taken = read_page(context, path, shot)
+            problems += found_problems
+            notes += found_notes
+            shots += shot_taken
         context.close()
     notes += fixed_font_notes()
     (SCREENSHOTS / "readability.txt").write_text(

@@ -58,11 +58,13 @@ span[id^="document-"] + section { break-before: page; }
 
 
 def english_toc() -> dict:
-    """The book's table of contents without its Chinese pages: the PDF is the English edition, and the
-    machines that print it carry no CJK font (a Chinese page would print as empty boxes)."""
+    """The English edition's table of contents (_toc.yml), never a Chinese page: the PDF is the English edition,
+    and the machines that print it carry no CJK font (a Chinese page would print as empty boxes). The Chinese
+    edition has its own table (_toc_zh.yml, _ext/kvlab_edition.py), which the PDF leaves out; the English pages'
+    link to it (中文版) is HTML-only."""
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
     for part in toc["parts"]:
-        part["chapters"] = [c for c in part["chapters"] if not Path(c["file"]).name.startswith("zh")]
+        part["chapters"] = [c for c in part["chapters"] if not c["file"].startswith("book/zh/")]
     return toc
 
 
