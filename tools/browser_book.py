@@ -1,19 +1,21 @@
 """The built book, read in headless Chromium from disk with no network (`make browser`, after `make book`).
 
-Per page of _build/html: every image loads; every local link and anchor resolves; no raw `\\(`, `\\[`, `$$` or
-`{glue` is left in the text; MathJax typeset every equation; no JavaScript error; a full-page screenshot is saved
-under _build/screenshots/book/. Readability is reported, not asserted (labs own their figures), in
-_build/screenshots/readability.txt: figures whose tick text renders under 9 pt (estimated from kvlab.plot's
-sizes and the image's scale), numeric font sizes fixed in labs, "chapter N" references that are not links, and
-display equations wider than the column.
+Per page of _build/html, at a 1280 px laptop window: every image loads; every local link and anchor resolves; no
+raw `\\(`, `\\[`, `$$` or `{glue` is left in the text; MathJax typeset every equation; no JavaScript error; no code
+cell (`div.highlight pre`) or table wider than its box; and every raster figure in the article was drawn by
+kvlab.plot (its PNG carries kvlab's text chunks), has no legend on its data and no colliding labels, and shows
+its smallest text at 11 CSS px or more: that text's points (from the chunks) x dpi / 72 (pHYs) x the width the
+page shows the image / its natural width. A second pass at a 412 px phone window asks for 9 CSS px (figures
+keep a minimum width there and scroll: _ext/static/kvlab_figures.css). SVG diagrams have their own test
+(tools/browser_diagrams.py). Full-page screenshots go to _build/screenshots/book/ and book-phone/.
+Reported, not asserted, in _build/screenshots/readability.txt: "chapter N" references that are not links,
+display equations wider than the column, and code cells or tables that scroll at the phone width.
 
 Run explicitly (`pytest tools/browser_book.py`): it needs the book built first.
 """
 
-import json
 import os
 import re
-import struct
 from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -25,7 +27,10 @@ from kvlab import plot
 
 HTML = Path(os.environ.get("KVLAB_BOOK_HTML", ROOT / "_build" / "html")).resolve()  # the built book
 VIEWPORT = {"width": 1280, "height": 900}  # a laptop screen; the book's column is what it is at this width
-MIN_PT = 9.0  # smallest readable legend / tick text in the rendered figure
+PHONE = {"width": 412, "height": 915}  # a common Android phone's CSS viewport
+LAPTOP_MIN_TEXT_PX = 11.0  # smallest figure text a reader sees at the laptop window, in CSS px
+PHONE_MIN_TEXT_PX = 9.0  # and at the phone window, where a figure may scroll sideways instead
+OVERFLOW_PX = 1  # a code cell or table this much wider than its box scrolls (or is cut)
 SKIP = {"genindex.html"}  # generated, no content of ours
 RAW = [r"\(", r"\[", "$$", "{glue"]
 ZH_EDITION = "zh"  # the Chinese edition's folder in the built site
@@ -36,8 +41,22 @@ async () => {
   const images = Array.from(document.images);
   await Promise.all(images.map((img) => { img.loading = "eager"; return img.decode().catch(() => null); }));
   const broken = images.filter((img) => !img.complete || img.naturalWidth === 0).map((img) => img.src);
-  const figures = images.filter((img) => img.naturalWidth > 0 && img.closest("article"))
+  // Raster figures the reader sees: SVG diagrams are checked by tools/browser_diagrams.py; an image in a
+  // collapsed block has no box.
+  const figures = images.filter((img) => img.naturalWidth > 0 && img.closest("article")
+      && !/\.svg$/i.test(new URL(img.src).pathname) && img.getBoundingClientRect().width > 0)
     .map((img) => ({src: img.src, natural: img.naturalWidth, shown: img.getBoundingClientRect().width}));
+  // A code cell scrolls when its text is wider than it; a table when it is wider than the box that holds it.
+  const overflows = Array.from(document.querySelectorAll("article div.highlight pre, article table"))
+    .filter((el) => el.getBoundingClientRect().width > 0)
+    .map((el) => {
+      const table = el.tagName === "TABLE";
+      const box = table ? el.parentElement : el;
+      const lines = el.innerText.split("\n");
+      const longest = lines.reduce((a, b) => (b.length > a.length ? b : a), "");
+      return {kind: table ? "table" : "code cell", over: Math.max(el.scrollWidth - el.clientWidth,
+        el.scrollWidth - box.clientWidth), text: (table ? lines[0] : longest).slice(0, 70)};
+    });
   const links = Array.from(document.querySelectorAll("a[href]"))
     .filter((a) => !a.closest(".kvlab-jupyterlab-only")).map((a) => a.href);
   const maths = Array.from(document.querySelectorAll(".math"));
@@ -60,7 +79,8 @@ async () => {
   const wideMath = Array.from(document.querySelectorAll('mjx-container[display="true"]'))  // cut at the column
     .filter((c) => c.querySelector("mjx-math").getBoundingClientRect().width > c.getBoundingClientRect().width + 1)
     .map((c) => c.querySelector("mjx-assistive-mml")?.textContent);
-  return {broken, figures, links, maths: maths.length, untypeset, mathErrors, text, crossRefs, wideMath};
+  return {broken, figures, overflows, links, maths: maths.length, untypeset, mathErrors, text, crossRefs,
+    wideMath};
 }
 """
 
@@ -103,44 +123,63 @@ def local_link_problem(href: str, page: Path) -> str | None:
     return None
 
 
-def png_dpi(path: Path) -> float | None:
-    """Pixels per inch from a PNG's pHYs chunk (matplotlib writes it), else None."""
-    data = path.read_bytes()
-    at = data.find(b"pHYs")
-    if at < 0:
-        return None
-    x, _y, unit = struct.unpack(">IIB", data[at + 4 : at + 13])
-    return x * 0.0254 if unit == 1 else None
+def min_text_px(window_width: int) -> float:
+    """The smallest figure text, in CSS px, a window this wide must show: the laptop's, or the phone's below it."""
+    return LAPTOP_MIN_TEXT_PX if window_width >= VIEWPORT["width"] else PHONE_MIN_TEXT_PX
 
 
-def figure_text_pt(figure: dict) -> float | None:
-    """Rendered size, in CSS points, of kvlab.plot's tick and legend text in this figure image."""
+def figure_problems(figure: dict, window_width: int) -> list[str]:
+    """What is wrong with one raster figure as a window `window_width` px wide shows it.
+
+    `figure` is what the page reports: its `src` (a file:// URL), `natural` width in image px and `shown` width
+    in CSS px. The text size needs the chunks kvlab.plot writes; the overlaps they record do not depend on the
+    window, so they are reported at the laptop width only."""
     parts = urlsplit(figure["src"])
-    if parts.scheme != "file" or not figure["natural"]:
-        return None
-    dpi = png_dpi(Path(unquote(parts.path)))
-    if not dpi:
-        return None
-    width_inches = figure["natural"] / dpi
-    # Tick labels, as kvlab.plot sizes them (a lab's fixed font size is listed by fixed_font_notes).
-    font_pt = plot.STYLE["xtick.labelsize"] * plot.text_scale(width_inches)
-    font_px = font_pt * dpi / 72  # text height in image pixels
-    return font_px * figure["shown"] / figure["natural"] * 0.75  # CSS px -> pt
+    image = Path(unquote(parts.path)).name
+    if parts.scheme != "file":
+        return [f"{image}: not a file of the built book ({figure['src']})"]
+    try:
+        found = plot.read_png(Path(unquote(parts.path)).read_bytes())
+    except (ValueError, OSError) as error:  # not a PNG, or not an image at all
+        return [f"{image}: {error}"]
+    laptop = window_width >= VIEWPORT["width"]
+    if found is None:
+        return (
+            [f"{image}: no kvlab chunks, so not drawn by kvlab.plot: make it with plot.figure()"]
+            if laptop
+            else []
+        )
+    problems = []
+    shown, natural = figure["shown"], figure["natural"]
+    px = found.text_px(shown, natural)
+    if px < min_text_px(window_width):
+        problems.append(
+            f"{image}: smallest text {px:.1f} CSS px at a {window_width} px window, under "
+            f"{min_text_px(window_width):g} ({found.min_text_pt:g} pt at {found.dpi:.0f} dpi, "
+            f"{natural} px shown {shown:.0f} px wide)"
+        )
+    if laptop:
+        problems += [f"{image}: legend on the data: {overlap}" for overlap in found.legend_overlaps]
+        problems += [f"{image}: labels collide: {collision}" for collision in found.text_collisions]
+    return problems
 
 
-def fixed_font_notes() -> list[str]:
-    """Labs that set a numeric font size bypass kvlab.plot's width scaling; list each such call."""
-    notes = []
-    for lab in sorted((ROOT / "book").glob("*/lab.ipynb")):
-        cells = json.loads(lab.read_text())["cells"]
-        for i, cell in enumerate(c for c in cells if c["cell_type"] == "code"):
-            for match in re.finditer(
-                r"\b(fontsize|labelsize|size)=(\d+(?:\.\d+)?)\b", "".join(cell["source"])
-            ):
-                notes.append(
-                    f"{lab.relative_to(ROOT)} code cell {i}: {match[0]} (fixed size, not scaled by kvlab.plot)"
-                )
-    return notes
+def overflow_lines(overflows: list[dict], window_width: int) -> list[str]:
+    """Each code cell or table wider than its box by more than OVERFLOW_PX, as the page reports them."""
+    return [
+        f"{o['kind']} {o['over']} px wider than its box at a {window_width} px window: {o['text']!r}"
+        for o in overflows
+        if o["over"] > OVERFLOW_PX
+    ]
+
+
+def write_notes(title: str, notes: list[str]) -> None:
+    """Replace this window's section of readability.txt (each browser pass owns one section)."""
+    path = SCREENSHOTS / "readability.txt"
+    sections = re.split(r"(?m)^(?=## )", path.read_text()) if path.is_file() else []
+    kept = [part for part in sections if part.startswith("## ") and not part.startswith(f"## {title}\n")]
+    kept.append(f"## {title}\n" + "".join(f"{note}\n" for note in notes))
+    path.write_text("".join(part if part.endswith("\n") else part + "\n" for part in sorted(kept)))
 
 
 def pages() -> list[Path]:
@@ -164,6 +203,7 @@ def read_page(context, path: Path, screenshot: Path | None) -> tuple[list[str], 
         return ([f"{name}: {target}"] if target else []), [], False
     problems, notes = [], []
     page = context.new_page()
+    width = page.viewport_size["width"]
     console: list[str] = []
     page.on("console", lambda m, c=console: c.append(m.text) if m.type == "error" else None)
     page.on("pageerror", lambda e, c=console: c.append(str(e)))
@@ -178,25 +218,26 @@ def read_page(context, path: Path, screenshot: Path | None) -> tuple[list[str], 
     problems += [f"{name}: JavaScript console: {m}" for m in console]
     notes += [f"{name}: cross-reference not a link: {ref!r}" for ref in found["crossRefs"]]
     notes += [f"{name}: equation wider than the column: {m!r}" for m in found["wideMath"]]
-    for figure in found["figures"]:
-        pt = figure_text_pt(figure)
-        if pt is not None and pt < MIN_PT:
-            image = Path(unquote(urlsplit(figure["src"]).path)).name
-            notes.append(
-                f"{name}: {image}: text ~{pt:.1f} pt at {figure['shown']:.0f} of {figure['natural']} px"
-            )
+    problems += [f"{name}: {p}" for figure in found["figures"] for p in figure_problems(figure, width)]
+    wide = [f"{name}: {line}" for line in overflow_lines(found["overflows"], width)]
+    # Code and tables must fit the laptop's column; on a phone they may scroll sideways.
+    if width >= VIEWPORT["width"]:
+        problems += wide
+    else:
+        notes += wide
     if screenshot is not None:
         page.screenshot(path=str(screenshot), full_page=True)
     page.close()
     return problems, notes, screenshot is not None
 
 
-def test_every_page_reads_offline():
-    out = SCREENSHOTS / "book"
+def read_book(viewport: dict, screenshots: str) -> tuple[list[str], list[str], int]:
+    """Every page of the English edition at one window size: (problems, notes, screenshots saved)."""
+    out = SCREENSHOTS / screenshots
     out.mkdir(parents=True, exist_ok=True)
     problems, notes, shots = [], [], 0
     with browser() as chromium:
-        context = chromium.new_context(viewport=VIEWPORT, offline=True)
+        context = chromium.new_context(viewport=viewport, offline=True)
         for path in pages():
             name = str(path.relative_to(HTML))
             shot = out / (re.sub(r"[/\\]", "__", name)[: -len(".html")] + ".png")
@@ -205,12 +246,27 @@ def test_every_page_reads_offline():
             notes += found_notes
             shots += shot_taken
         context.close()
-    notes += fixed_font_notes()
-    (SCREENSHOTS / "readability.txt").write_text(
-        f"Readability notes at a {VIEWPORT['width']} px wide window: figure text under {MIN_PT} pt (estimated from"
-        " kvlab.plot's font size and the image's scale), chapter cross-references that are not links.\n"
-        + "".join(f"{note}\n" for note in notes)
+    print(f"\n{shots} pages at {viewport['width']} px, screenshots in {out}; {len(notes)} notes")
+    return problems, notes, shots
+
+
+def test_every_page_reads_offline():
+    problems, notes, shots = read_book(VIEWPORT, "book")
+    write_notes(
+        f"At a {VIEWPORT['width']} px window: chapter cross-references that are not links, equations wider than "
+        "the column",
+        notes,
     )
-    print(f"\n{shots} pages checked, screenshots in {out.relative_to(ROOT)}; {len(notes)} readability notes")
+    assert shots > 0
+    assert not problems, "\n".join(problems)
+
+
+def test_figures_read_on_a_phone():
+    problems, notes, shots = read_book(PHONE, "book-phone")
+    write_notes(
+        f"At a {PHONE['width']} px phone window: code cells and tables that scroll sideways, chapter "
+        "cross-references that are not links, equations wider than the column",
+        notes,
+    )
     assert shots > 0
     assert not problems, "\n".join(problems)
