@@ -250,23 +250,27 @@ def read_book(viewport: dict, screenshots: str) -> tuple[list[str], list[str], i
     return problems, notes, shots
 
 
-def test_every_page_reads_offline():
-    problems, notes, shots = read_book(VIEWPORT, "book")
-    write_notes(
-        f"At a {VIEWPORT['width']} px window: chapter cross-references that are not links, equations wider than "
-        "the column",
-        notes,
-    )
+def check_book(viewport: dict, screenshots: str, notes_title: str) -> None:
+    """One pass over the book at one window size: its notes into readability.txt, its problems asserted."""
+    problems, notes, shots = read_book(viewport, screenshots)
+    write_notes(notes_title, notes)
     assert shots > 0
     assert not problems, "\n".join(problems)
+
+
+def test_every_page_reads_offline():
+    check_book(
+        VIEWPORT,
+        "book",
+        f"At a {VIEWPORT['width']} px window: chapter cross-references that are not links, equations wider "
+        "than the column",
+    )
 
 
 def test_figures_read_on_a_phone():
-    problems, notes, shots = read_book(PHONE, "book-phone")
-    write_notes(
+    check_book(
+        PHONE,
+        "book-phone",
         f"At a {PHONE['width']} px phone window: code cells and tables that scroll sideways, chapter "
         "cross-references that are not links, equations wider than the column",
-        notes,
     )
-    assert shots > 0
-    assert not problems, "\n".join(problems)
