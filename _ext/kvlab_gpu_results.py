@@ -54,6 +54,18 @@ class GpuResults(SphinxDirective):
         for path in sorted(results.glob(f"*/{chapter}.json")):
             self.env.note_dependency(str(path))  # a new or changed record rebuilds the page
         records = report.gpu_results(chapter, results)
+        if not records and (self.config.language or "").startswith("zh"):
+            # The Chinese edition (_config_zh.yml) says the same in Chinese.
+            note = nodes.paragraph(classes=["kvlab-gpu-results"])
+            note += nodes.strong(text="GPU 实测：")
+            note += nodes.Text("本章还没有记录 GPU 运行。在 GPU 机器上运行 ")
+            note += nodes.literal(text="make gpu")
+            note += nodes.Text("，它按 ")
+            note += nodes.literal(text="book/gpu_params.yaml")
+            note += nodes.Text(" 的规模运行实验并写出 ")
+            note += nodes.literal(text=f"book/results/<gpu>/{chapter}.json")
+            note += nodes.Text("，本页随后会把它与 CPU 的数字并列显示。")
+            return [note]
         if not records:
             note = nodes.paragraph(classes=["kvlab-gpu-results"])
             note += nodes.strong(text="Measured on a GPU: ")
