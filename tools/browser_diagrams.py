@@ -29,7 +29,9 @@ async () => Promise.all(Array.from(document.querySelectorAll("article img")).map
   img.loading = "eager";
   await img.decode().catch(() => null);
   return {src: img.src, natural: img.naturalWidth, shown: img.getBoundingClientRect().width,
-          caption: img.closest("figure")?.querySelector("figcaption")?.innerText || ""};
+          // the caption is the paragraph after the image, "**Diagram N.** ...", as the book captions figures
+          caption: document.evaluate("following::p[1]", img, null, XPathResult.FIRST_ORDERED_NODE_TYPE, null)
+            .singleNodeValue?.innerText || ""};
 }))
 """
 
@@ -71,6 +73,7 @@ def test_every_diagram_is_shown_with_readable_text():
                     problems.append(f"{where}: no caption")
                 font, box_width = smallest_font(Path(unquote(urlsplit(image["src"]).path)))
                 px = font * image["shown"] / box_width
+                print(f"{where}: smallest text {px:.1f} px")
                 if px < minimum:
                     problems.append(f"{where}: smallest text {px:.1f} px (under {minimum} px)")
                 seen += 1

@@ -7,7 +7,7 @@ how to build it from kvlab's data; `tools/diagrams.py` (`make diagrams`) writes 
 
 Sizes follow the book's column (`kvlab.plot.COLUMN_INCHES`, 688 CSS px at a 1280-px window). A diagram is
 `WIDTH_INCHES` wide and sets no text under `MIN_FONT_PT`: shown at its natural width (1 pt = 4/3 CSS px) its
-text is at least 14 px, and shrunk to a phone's 380-px column (a 412-px window) still 11 × 380 / 446 = 9.4 px.
+text is at least 14 px, and shrunk to a phone's 365-px column (a 412-px window) still 11 × 365 / 432 = 9.3 px.
 SVGs keep their text as text and are byte-for-byte reproducible (`save_svg`).
 """
 
@@ -35,7 +35,7 @@ from kvlab.shape import ModelShape
 from kvlab.simulate import SimulationResult
 from kvlab.units import dtype_bytes, format_bytes
 
-WIDTH_INCHES = 6.2
+WIDTH_INCHES = 6.0
 MIN_FONT_PT = 11.0
 TITLE_PT = 12.0
 # Fills, each paired with a hatch so that no meaning rests on colour alone.
@@ -351,7 +351,7 @@ def hash_chain(manager: BlockManager, admissions: Sequence[Admission]) -> Figure
         min(len(first.block_hashes), len(second.block_hashes)),
     )
     width = max(-(-a.seq.num_prompt_tokens // bs) for a in admissions)
-    box_w, gap, x0 = 1.15, 0.22, 0.55
+    box_w, gap, x0 = 1.1, 0.2, 0.5
     if x0 + width * (box_w + gap) > WIDTH_INCHES:
         raise ValueError(f"the hash-chain diagram draws at most 4 blocks a prompt, got {width}")
     height = 1.7 + 1.2 * (len(admissions) - 1)
