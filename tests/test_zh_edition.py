@@ -159,7 +159,9 @@ def test_the_chinese_edition_is_configured_in_chinese_from_stored_outputs():
 def test_the_chinese_intro_links_every_chapter_and_carries_the_english_numbers():
     intro = (ZH / "intro.md").read_text()
     for english in english_pages()[1:]:
-        assert f"]({english.parent.name}.md)" in intro, english.parent.name
+        chinese = chinese_page(english)
+        title = re.search(r"^# (.+)$", chinese.read_text(), re.M)[1] if chinese.is_file() else ""
+        assert f"[{title}]({chinese.name})" in intro, f"the intro's link to {chinese.name} is not {title!r}"
     assert SOURCE_ARTICLE in intro, "credits the source article"
     assert "](../intro.md)" in intro, "links the English edition"
     # The English intro's answer and budget table (before its first section) state numbers kvlab computes
