@@ -153,7 +153,9 @@ def legend_outside(
     """One figure legend outside every axes, from the labelled artists of `axes` (default: all), each label once.
 
     "top" (above the panels) and "bottom" lay the entries out in as many columns as fit the figure's width;
-    "right" puts them in one column right of the panels. Needs the constrained layout `figure` sets."""
+    "right" puts them in one column right of the panels. Needs the constrained layout `figure` sets, which does
+    not keep such a legend off `fig.suptitle` ("top") or `fig.supxlabel` ("bottom"): check_figure reports the
+    collision; put the title in the caption instead."""
     if where not in _OUTSIDE:
         raise ValueError(f"where={where!r}: a legend goes {', '.join(map(repr, _OUTSIDE))}")
     if ncol is not None and ncol < 1:
