@@ -69,6 +69,12 @@ def _text(
     return artist
 
 
+def _label(ax: Axes, x: float, y: float, s: str, *, gid: str | None = None):
+    """Text centred at (x, y) on a white backing, readable over a hatched fill."""
+    backing = {"facecolor": "white", "edgecolor": "none", "pad": 0.5}
+    return _text(ax, x, y, s, ha="center", gid=gid, bbox=backing)
+
+
 def _box(
     ax: Axes, x: float, y: float, w: float, h: float, face: str = FREE, hatch: str = "", **kw: Any
 ) -> None:
@@ -249,14 +255,12 @@ def block_table(manager: BlockManager, seqs: Sequence[Seq]) -> Figure:
         _text(ax, 0.1, y, f"{seq.request_id}: {seq.num_tokens} tokens", gid=f"seq-{seq.request_id}")
         for logical, block_id in enumerate(seq.block_table):
             _box(ax, table_x + logical * cell, y - 0.2, cell, 0.4, _light(face), hatch)
-            _text(
+            _label(
                 ax,
                 table_x + (logical + 0.5) * cell,
                 y,
                 f"#{block_id}",
-                ha="center",
                 gid=f"table-{seq.request_id}-{logical}",
-                bbox={"facecolor": "white", "edgecolor": "none", "pad": 1},
             )
         y -= 0.5
     _text(ax, table_x, y + 0.05, "logical block 0, 1, 2, … → physical block id", va="center")
@@ -280,23 +284,19 @@ def block_table(manager: BlockManager, seqs: Sequence[Seq]) -> Figure:
         else:
             face, hatch, state = FREE, "", "free"
         _box(ax, x + 0.03, yb, pool_w - 0.06, 0.55, face, hatch)
-        _text(
+        _label(
             ax,
             x + pool_w / 2,
             yb + 0.38,
             f"#{block_id}",
-            ha="center",
             gid=f"pool-{block_id}-id",
-            bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5},
         )
-        _text(
+        _label(
             ax,
             x + pool_w / 2,
             yb + 0.14,
             state,
-            ha="center",
             gid=f"pool-{block_id}",
-            bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5},
         )
     _text(ax, 0.1, 0.22, "cached: freed, keeps its hash for a later hit; free: reused first")
     return fig
@@ -375,24 +375,20 @@ def hash_chain(manager: BlockManager, admissions: Sequence[Admission]) -> Figure
                 status, face, hatch = "computed", FREE, ""
             _box(ax, x, y - 0.3, box_w, 0.6, face, hatch)
             label = " ".join(str(t) for t in chunk)
-            _text(
+            _label(
                 ax,
                 x + box_w / 2,
                 y + 0.13,
                 label,
-                ha="center",
                 gid=f"tokens-{seq.request_id}-{i}",
-                bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5},
             )
             digest = f"#{short_hash(seq.block_hashes[i])}" if full else "no hash"
-            _text(
+            _label(
                 ax,
                 x + box_w / 2,
                 y - 0.14,
                 digest,
-                ha="center",
                 gid=f"hash-{seq.request_id}-{i}",
-                bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5},
             )
             _text(ax, x + box_w / 2, y - 0.5, status, ha="center", gid=f"status-{seq.request_id}-{i}")
             if i:
@@ -520,22 +516,18 @@ def tp_heads(kv_heads: int, plans: Sequence[tuple[int, int]], title: str) -> Fig
             _box(ax, x + 0.03, y + 0.03, cell_w - 0.06, cell_h - 0.06, _light(face), hatch)
             names = ", ".join(str(h) for h in heads)
             label = f"head {names}" if len(heads) == 1 else f"heads {names}"
-            _text(
+            _label(
                 ax,
                 x + cell_w / 2,
                 y + cell_h * 0.68,
                 f"GPU {rank}",
-                ha="center",
-                bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5},
             )
-            _text(
+            _label(
                 ax,
                 x + cell_w / 2,
                 y + cell_h * 0.3,
                 label,
-                ha="center",
                 gid=f"tp{tp}-rank{rank}",
-                bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5},
             )
         x_panel += width + 0.3
     return fig
