@@ -249,3 +249,16 @@ def test_png_carries_the_check_in_its_text_chunks():
 def test_the_style_never_crops_a_saved_figure():
     plot.use_style()
     assert matplotlib.rcParams["savefig.bbox"] is None  # "standard": the whole figure, never cropped
+
+
+def test_inside_ipython_figures_display_as_kvlab_pngs():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    try:
+        fig = curve_with_legend("upper right")  # plot.figure registers kvlab's renderer
+        data, _ = shell.display_formatter.format(fig)
+        found = plot.read_png(data["image/png"])
+        assert found is not None and found.legend_overlaps == plot.check_figure(fig).legend_overlaps
+    finally:
+        InteractiveShell.clear_instance()
