@@ -262,3 +262,14 @@ def test_inside_ipython_figures_display_as_kvlab_pngs():
         assert found is not None and found.legend_overlaps == plot.check_figure(fig).legend_overlaps
     finally:
         InteractiveShell.clear_instance()
+
+
+def test_check_figure_reports_text_and_legends_cut_at_the_figure_edge():
+    fig, ax = plot.figure()
+    ax.plot([0, 1], [0, 1], label="a series")
+    assert not any("runs off" in c for c in plot.check_figure(fig).text_collisions)
+    ax.set_title("a title far too long for the column " * 4)
+    ax.legend(loc="upper left", bbox_to_anchor=(-0.4, 1.0))
+    found = [c for c in plot.check_figure(fig).text_collisions if "runs off" in c]
+    assert any("title" in c for c in found) and any("legend" in c for c in found), found
+    matplotlib.pyplot.close(fig)

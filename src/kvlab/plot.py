@@ -232,10 +232,28 @@ def check_figure(fig: Figure) -> FigureCheck:
         for text, role in texts:
             if id(text) not in legend_texts and _overlap(box, _extent(text)):
                 collisions.append(f"legend {name} covers {role} {text.get_text()!r}")
+    # A text or legend cut at the figure's edge is as unreadable as one under another.
+    page = fig.bbox
+    for text, role in texts:
+        if _beyond(_extent(text), page):
+            collisions.append(f"{role} {text.get_text()!r} runs off the figure")
+    for legend in legends:
+        if _beyond(legend.get_window_extent(), page):
+            collisions.append(f"legend {_legend_name(legend)} runs off the figure")
     return FigureCheck(
         min_text_pt=min((float(t.get_fontsize()) for t, _ in texts), default=math.inf),
         legend_overlaps=overlaps,
         text_collisions=collisions,
+    )
+
+
+def _beyond(box: Bbox, page: Bbox) -> bool:
+    """Whether `box` reaches more than _TOUCH_PX past any edge of `page`."""
+    return (
+        box.x0 < page.x0 - _TOUCH_PX
+        or box.y0 < page.y0 - _TOUCH_PX
+        or box.x1 > page.x1 + _TOUCH_PX
+        or box.y1 > page.y1 + _TOUCH_PX
     )
 
 
