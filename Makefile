@@ -99,8 +99,9 @@ nbval: install
 smoke: install
 	$(PY) tools/smoke_sweep.py
 
-## make browser (after make book): every page of _build/html in headless Chromium, offline; screenshots in
-## _build/screenshots/book, readability notes in _build/screenshots/readability.txt; and each chapter's visible
+## make browser (after make book): every page of _build/html in headless Chromium, offline, at 1280 and 412 px:
+## figure text >= 11 px (9 px on a phone), nothing on the data, no code cell or table scrolling, every diagram;
+## screenshots in _build/screenshots/book and book-phone; and each chapter's visible
 ## prose against its limits (tools/prose.py: 30 % fewer running words than before the rewrite, sentences of 22
 ## words on average, none over 60). The Chinese edition too: tools/browser_zh.py (screenshots in
 ## _build/screenshots/zh, at 1280 and 412 px) and tools/prose_zh.py (40 汉字 a sentence on average, none over 100).
