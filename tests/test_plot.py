@@ -273,3 +273,14 @@ def test_check_figure_reports_text_and_legends_cut_at_the_figure_edge():
     found = [c for c in plot.check_figure(fig).text_collisions if "runs off" in c]
     assert any("title" in c for c in found) and any("legend" in c for c in found), found
     matplotlib.pyplot.close(fig)
+
+
+def test_legend_outside_picks_columns_that_fit_as_matplotlib_fills_them():
+    # Six entries in five columns are 2+1+1+1+1, not three columns of two: the width must count five.
+    names = ["Llama-3.1-8B", "Qwen3-8B", "gemma-3-27b-it", "Mistral-7B-v0.3", "DeepSeek-V3", "Llama-3.1-70B"]
+    fig, ax = plot.figure()
+    for name in names:
+        ax.plot([0, 1], [0, 1], label=name)
+    plot.legend_outside(fig)
+    assert not plot.check_figure(fig).text_collisions
+    matplotlib.pyplot.close(fig)

@@ -184,9 +184,11 @@ def _columns_that_fit(fig: Figure, labels: list[str]) -> int:
     spacing = rc["legend.columnspacing"] * em
     available = fig.get_figwidth() * fig.dpi - 2 * rc["legend.borderpad"] * em
     for ncol in range(len(labels), 1, -1):
-        rows = math.ceil(len(labels) / ncol)
-        # matplotlib fills the columns top to bottom, `rows` entries each
-        columns = [widths[i : i + rows] for i in range(0, len(widths), rows)]
+        # matplotlib fills `ncol` columns top to bottom in order, the first `extra` of them one entry longer
+        rows, extra = divmod(len(labels), ncol)
+        sizes = [rows + 1] * extra + [rows] * (ncol - extra)
+        starts = [sum(sizes[:k]) for k in range(ncol)]
+        columns = [widths[a : a + n] for a, n in zip(starts, sizes, strict=True) if n]
         total = sum(handle + max(c) for c in columns) + spacing * (len(columns) - 1)
         if total <= available:
             return ncol
