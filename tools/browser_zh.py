@@ -15,11 +15,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from browser_book import HTML, SKIP, VIEWPORT, read_page
+from browser_book import HTML, PHONE, SKIP, VIEWPORT, read_page
 from chromium import ROOT, SCREENSHOTS, browser
 
 ZH_HTML = HTML / "zh"
-PHONE = {"width": 412, "height": 915}  # a common Android phone's CSS viewport
 # The pages shown at both widths: the intro and two chapters (one with equations and figures, one with tables).
 BOTH_WIDTHS = ("book/zh/intro.html", "book/zh/02_sizing.html", "book/zh/07_paging.html")
 HANZI = re.compile(r"[\u4e00-\u9fff]")
