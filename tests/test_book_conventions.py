@@ -256,3 +256,52 @@ def test_notebook_logic_is_found():
 def test_labs_define_no_logic_a_test_cannot_reach(lab):
     found = {i: notebook_logic(source(c)) for i, c in enumerate(code_cells(lab))}
     assert not {i: f for i, f in found.items() if f}, "lift these into kvlab, with tests"
+
+
+# A lab reads as a page: cells a reader takes in at a glance, lines that fit the code cell at a 1280 px window
+# (tools/browser_book.py checks the rendered width). The parameters cell is papermill's list of settings, one cell.
+MAX_CELL_LINES = 30
+MAX_LINE_CHARS = 88
+
+
+def shown_code_cells(path):
+    return [c for c in code_cells(path) if "remove-input" not in tags(c)]
+
+
+def long_cells(path):
+    """(cell id, lines) of each shown, non-parameters code cell over MAX_CELL_LINES lines."""
+    return [
+        (c.get("id"), len(source(c).splitlines()))
+        for c in shown_code_cells(path)
+        if "parameters" not in tags(c) and len(source(c).splitlines()) > MAX_CELL_LINES
+    ]
+
+
+def test_long_cells_and_lines_are_found():
+    cell = {"cell_type": "code", "id": "x", "metadata": {}, "source": "a = 1\n" * (MAX_CELL_LINES + 1)}
+    nb = ROOT / "_build" / "conventions-probe.ipynb"
+    nb.parent.mkdir(exist_ok=True)
+    nb.write_text(json.dumps({"cells": [cell]}))
+    assert long_cells(nb) == [("x", MAX_CELL_LINES + 1)]
+
+
+@pytest.mark.parametrize("lab", LABS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_labs_read_as_pages(lab):
+    assert not long_cells(lab), f"split these cells (at most {MAX_CELL_LINES} lines): {long_cells(lab)}"
+    wide = [
+        (c.get("id"), line)
+        for c in shown_code_cells(lab)
+        for line in source(c).splitlines()
+        if len(line) > MAX_LINE_CHARS
+    ]
+    assert not wide, f"code lines over {MAX_LINE_CHARS} characters: {wide[:3]}"
+    cells = json.loads(lab.read_text())["cells"]
+    unexplained = [
+        c.get("id")
+        for before, c in zip(cells, cells[1:], strict=False)
+        if c["cell_type"] == "code"
+        # setup cells (the install and imports cells) are hidden in the HTML: nothing to introduce
+        and not {"remove-input", "hide-input"} & set(tags(c))
+        and before["cell_type"] != "markdown"
+    ]
+    assert not unexplained, f"a sentence of prose goes above each code cell: {unexplained}"
