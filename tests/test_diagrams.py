@@ -168,3 +168,12 @@ def test_tp_heads_split_then_copied():
     assert labels["plan-16"] == "TP=16: each head on 2 GPUs"
     two = by_gid(diagrams.tp_heads(2, [(8, 4)], "t"))
     assert sorted(two[f"tp8-rank{r}"] for r in range(8)) == ["head 0"] * 4 + ["head 1"] * 4
+
+
+def test_a_diagram_does_not_depend_on_the_style_left_in_rcparams():
+    import matplotlib as mpl
+
+    diagram = diagrams.DIAGRAMS["continuous_batching"]
+    clean = diagrams.svg_bytes(diagram.build())
+    with mpl.rc_context({"font.size": 20, "legend.fontsize": 14, "lines.linewidth": 3}):
+        assert diagrams.svg_bytes(diagram.build()) == clean

@@ -541,7 +541,14 @@ class Diagram:
     name: str  # book/diagrams/<name>.svg
     chapter: str  # the page that shows it: book/<chapter>/index.md
     alt: str
-    build: Callable[[], Figure]
+    draw: Callable[[], Figure]
+
+    def build(self) -> Figure:
+        """The diagram drawn under matplotlib's defaults, so the bytes do not depend on what ran before (a lab's
+        or a test's figure style left in rcParams)."""
+        with mpl.rc_context():
+            mpl.rcdefaults()
+            return self.draw()
 
 
 MODEL = "meta-llama/Llama-3.1-8B"
@@ -668,7 +675,9 @@ DIAGRAMS: dict[str, Diagram] = {
 def svg_bytes(fig: Figure) -> bytes:
     """The figure as SVG with its text kept as text, the same bytes on every run."""
     buffer = io.BytesIO()
-    with mpl.rc_context(SVG_RC):
+    with mpl.rc_context():
+        mpl.rcdefaults()
+        mpl.rcParams.update(SVG_RC)
         fig.savefig(buffer, format="svg", metadata={"Date": None})
     return buffer.getvalue()
 
