@@ -86,6 +86,16 @@ def test_overflow_lines_keep_what_scrolls_more_than_a_pixel():
     ]
 
 
+def test_what_may_scroll_is_noted_apart_from_what_must_fit():
+    overflows = [
+        {"kind": "code cell", "over": 40, "text": "x", "must_fit": True},
+        {"kind": "printed or command block", "over": 300, "text": "y", "must_fit": False},
+        {"kind": "table", "over": 20, "text": "z", "must_fit": False},
+    ]
+    assert [line.split()[0] for line in browser_book.overflow_lines(overflows, 1280)] == ["code"]
+    assert len(browser_book.overflow_lines(overflows, 1280, must_fit=False)) == 2
+
+
 def test_each_pass_owns_its_section_of_the_notes(tmp_path, monkeypatch):
     monkeypatch.setattr(browser_book, "SCREENSHOTS", tmp_path)
     browser_book.write_notes("At 1280", ["a"])

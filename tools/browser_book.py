@@ -47,6 +47,15 @@ async () => {
       && !/\.svg$/i.test(new URL(img.src).pathname) && img.getBoundingClientRect().width > 0)
     .map((img) => ({src: img.src, natural: img.naturalWidth, shown: img.getBoundingClientRect().width}));
   // A code cell scrolls when its text is wider than it; a table when it is wider than the box that holds it.
+  // What must fit: a lab's code-cell input (the labs hold lines to 88 characters), and any table that nothing
+  // lets the reader scroll to (cut at the page). A printed output line or a shell command in the prose that
+  // scrolls inside its own box is only noted.
+  const scrolls = (el) => {
+    for (let up = el.parentElement; up && up.tagName !== "ARTICLE"; up = up.parentElement) {
+      if (["auto", "scroll"].includes(getComputedStyle(up).overflowX)) return true;
+    }
+    return false;
+  };
   const overflows = Array.from(document.querySelectorAll("article div.highlight pre, article table"))
     .filter((el) => el.getBoundingClientRect().width > 0)
     .map((el) => {
@@ -54,8 +63,10 @@ async () => {
       const box = table ? el.parentElement : el;
       const lines = el.innerText.split("\n");
       const longest = lines.reduce((a, b) => (b.length > a.length ? b : a), "");
-      return {kind: table ? "table" : "code cell", over: Math.max(el.scrollWidth - el.clientWidth,
-        el.scrollWidth - box.clientWidth), text: (table ? lines[0] : longest).slice(0, 70)};
+      const input = !table && el.closest(".cell_input") !== null;
+      return {kind: table ? "table" : (input ? "code cell" : "printed or command block"),
+        over: Math.max(el.scrollWidth - el.clientWidth, el.scrollWidth - box.clientWidth),
+        text: (table ? lines[0] : longest).slice(0, 70), must_fit: input || (table && !scrolls(el))};
     });
   const links = Array.from(document.querySelectorAll("a[href]"))
     .filter((a) => !a.closest(".kvlab-jupyterlab-only")).map((a) => a.href);
@@ -164,12 +175,13 @@ def figure_problems(figure: dict, window_width: int) -> list[str]:
     return problems
 
 
-def overflow_lines(overflows: list[dict], window_width: int) -> list[str]:
-    """Each code cell or table wider than its box by more than OVERFLOW_PX, as the page reports them."""
+def overflow_lines(overflows: list[dict], window_width: int, must_fit: bool = True) -> list[str]:
+    """Each code cell or table wider than its box by more than OVERFLOW_PX, as the page reports them: those that
+    must fit (a code-cell input, a table nothing scrolls), or, with `must_fit=False`, those that may scroll."""
     return [
         f"{o['kind']} {o['over']} px wider than its box at a {window_width} px window: {o['text']!r}"
         for o in overflows
-        if o["over"] > OVERFLOW_PX
+        if o["over"] > OVERFLOW_PX and bool(o.get("must_fit", True)) == must_fit
     ]
 
 
@@ -220,7 +232,8 @@ def read_page(context, path: Path, screenshot: Path | None) -> tuple[list[str], 
     notes += [f"{name}: equation wider than the column: {m!r}" for m in found["wideMath"]]
     problems += [f"{name}: {p}" for figure in found["figures"] for p in figure_problems(figure, width)]
     wide = [f"{name}: {line}" for line in overflow_lines(found["overflows"], width)]
-    # Code and tables must fit the laptop's column; on a phone they may scroll sideways.
+    notes += [f"{name}: {line}" for line in overflow_lines(found["overflows"], width, must_fit=False)]
+    # Code cells and unscrollable tables must fit the laptop's column; on a phone they may scroll sideways.
     if width >= VIEWPORT["width"]:
         problems += wide
     else:
