@@ -34,7 +34,7 @@ from matplotlib.patches import Patch
 from matplotlib.table import Table
 from matplotlib.text import Text
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocator
-from matplotlib.transforms import Bbox
+from matplotlib.transforms import Bbox, BboxBase
 
 from kvlab.units import format_bytes
 
@@ -249,7 +249,7 @@ def check_figure(fig: Figure) -> FigureCheck:
     )
 
 
-def _beyond(box: Bbox, page: Bbox) -> bool:
+def _beyond(box: BboxBase, page: BboxBase) -> bool:
     """Whether `box` reaches more than _TOUCH_PX past any edge of `page`."""
     return (
         box.x0 < page.x0 - _TOUCH_PX
