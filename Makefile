@@ -137,7 +137,7 @@ release: install
 pdf: install
 	$(PY) tools/pdf.py --out _build/pdf/kvlab.pdf --work _build/pdf
 
-## make diagrams: the book's mechanism diagrams (kvlab.diagrams), drawn from kvlab's own state, into
+## make diagrams: the book's mechanism diagrams (kvlab.book.diagrams), drawn from kvlab's own state, into
 ## book/diagrams/*.svg; tests/test_diagrams.py checks the committed ones equal a fresh run, and make browser
 ## (tools/browser_diagrams.py) that each is on its page with text of 11 px at 1280 px and 9 px at 412 px.
 diagrams: install
@@ -172,7 +172,7 @@ GPU_PARAMS ?= book/gpu_params.yaml
 GPU_LABS ?=
 GPU_OUT ?= book/results
 gpu:
-	$(PY) -m kvlab.gpu --root . --params $(GPU_PARAMS) --out $(GPU_OUT) --labs "$(GPU_LABS)"
+	$(PY) -m kvlab.book.gpu --root . --params $(GPU_PARAMS) --out $(GPU_OUT) --labs "$(GPU_LABS)"
 
 ## make gpu-wheels: the wheels scripts/gpu_run.sh installs offline (scripts/gpu_wheels.txt, --no-deps), for a
 ## GPU machine's Python GPU_PYTHON; fails above 60 MiB.

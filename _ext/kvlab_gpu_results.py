@@ -6,7 +6,7 @@ In a chapter's Markdown page:
     ```
 
 renders, under a "Measured on <GPU>" heading, the lab's glued scalars from every book/results/<gpu>/<chapter>.json
-(`kvlab.report.gpu_results_table`), beside the CPU values of the lab's stored outputs, and one provenance line per
+(`kvlab.book.report.gpu_results_table`), beside the CPU values of the lab's stored outputs, and one provenance line per
 run (GPU, driver, CUDA, torch, transformers, kvlab commit, date). With no recorded run it says that no GPU run is
 recorded yet. The chapter is the page's folder (`book/04_bandwidth_bound/index.md` -> `04_bandwidth_bound`), or
 the directive's argument. `kvlab_gpu_results` (default `book/results`, relative to the book's root) is the folder.
@@ -43,8 +43,8 @@ class GpuResults(SphinxDirective):
     has_content = False
 
     def run(self) -> list[nodes.Node]:
-        from kvlab import report
-        from kvlab.sweep import glued_scalars
+        from kvlab.book import report
+        from kvlab.book.sweep import glued_scalars
 
         page = Path(self.env.docname)
         # A Chinese page (book/zh/02_sizing.md) shows its chapter's runs, like book/02_sizing/index.md.

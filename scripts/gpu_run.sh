@@ -7,7 +7,7 @@
 # 1. The carried wheels installed offline (--no-index --no-deps) into GPU_SITE (.gpu-site), put on PYTHONPATH
 #    ahead of the machine's own packages (its torch, CUDA build and all): transformers 5.24, myst-nb, papermill,
 #    ipykernel, ...; kvlab itself is imported from this tree's src/, so results name this tree's commit.
-# 2. `make gpu`: python -m kvlab.gpu, every lab (or the chapters given) at book/gpu_params.yaml's sizes,
+# 2. `make gpu`: python -m kvlab.book.gpu, every lab (or the chapters given) at book/gpu_params.yaml's sizes,
 #    results under book/results/<gpu>/, within GPU_TIMEOUT seconds (default 480: 8 minutes).
 # 3. A copy of the results under $OUT/results/, and the log under $OUT/gpu_run.log.
 #

@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig, PretrainedConfig
 
-from kvlab import arch, models, shape
-from kvlab.layers import SlidingWindowAttention
+from kvlab import models
+from kvlab.specs import arch, shape
+from kvlab.specs.layers import SlidingWindowAttention
 
 
 def test_registry_has_required_models():

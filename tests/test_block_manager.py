@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.block_manager import (
+from kvlab.engine.block_manager import (
     NULL_BLOCK,
     BlockAllocator,
     BlockManager,
@@ -10,11 +10,11 @@ from kvlab.block_manager import (
     blocks_per_request,
     longest_request,
 )
-from kvlab.metrics import PrefixCacheStats
-from kvlab.sequence import Sequence
+from kvlab.engine.metrics import PrefixCacheStats
+from kvlab.engine.request import Request
 
 
-def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
+def check_invariants(bm: BlockManager, live: list[Request]) -> None:
     alloc = bm.allocator
     assert all(r >= 0 for r in alloc.ref_counts)
     assert bm.num_free_blocks + bm.num_used_blocks == bm.num_blocks
@@ -31,7 +31,7 @@ def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
     assert sum(h is not None for h in alloc.hashes) == bm.num_cached_blocks
 
 
-def free_all_and_check(bm: BlockManager, slots: dict[int, Sequence]) -> None:
+def free_all_and_check(bm: BlockManager, slots: dict[int, Request]) -> None:
     """After every request ends, every block is free again."""
     for seq in slots.values():
         bm.free(seq)
@@ -49,11 +49,11 @@ ops = st.lists(
 @given(ops=ops, prefix_caching=st.booleans(), block_size=st.sampled_from([1, 2, 4]))
 def test_block_manager_never_leaks(ops, prefix_caching, block_size):
     bm = BlockManager(num_blocks=12, block_size=block_size, enable_prefix_caching=prefix_caching)
-    slots: dict[int, Sequence] = {}
+    slots: dict[int, Request] = {}
     for kind, slot, n in ops:
         seq = slots.get(slot)
         if kind == "admit" and seq is None:
-            seq = Sequence([2 + (slot * i) % 2 for i in range(n)])
+            seq = Request([2 + (slot * i) % 2 for i in range(n)])
             if bm.allocate(seq, n) is not None:
                 slots[slot] = seq
                 assert seq.num_computed_tokens % block_size == 0 and seq.num_computed_tokens < seq.num_tokens
@@ -76,11 +76,11 @@ def test_block_manager_never_leaks(ops, prefix_caching, block_size):
 @given(ops=ops)
 def test_contiguous_manager_reserves_runs_and_never_leaks(ops):
     bm = ContiguousBlockManager(num_blocks=16, block_size=2, max_model_len=7)
-    slots: dict[int, Sequence] = {}
+    slots: dict[int, Request] = {}
     for kind, slot, n in ops:
         seq = slots.get(slot)
         if kind == "admit" and seq is None:
-            seq = Sequence([5] * min(n, 6))
+            seq = Request([5] * min(n, 6))
             if bm.allocate(seq, n) is not None:
                 slots[slot] = seq
                 table = seq.block_table
@@ -112,45 +112,45 @@ def test_allocator_counts(actions):
 
 def test_prefix_hits_need_the_whole_chain():
     bm = BlockManager(num_blocks=16, block_size=2, enable_prefix_caching=True)
-    first = Sequence([7, 8, 9, 10, 11])
+    first = Request([7, 8, 9, 10, 11])
     assert bm.allocate(first, 5) == 5
-    same_head = Sequence([7, 8, 9, 10, 12, 13])
+    same_head = Request([7, 8, 9, 10, 12, 13])
     assert bm.cached_prefix(same_head) == first.block_table[:2]
     # Block [9, 10] alone matches, but its parent differs: no hit.
-    assert bm.cached_prefix(Sequence([1, 2, 9, 10, 11])) == []
+    assert bm.cached_prefix(Request([1, 2, 9, 10, 11])) == []
     # A prompt made only of cached blocks still computes its last token.
-    assert bm.cached_prefix(Sequence([7, 8, 9, 10])) == first.block_table[:1]
+    assert bm.cached_prefix(Request([7, 8, 9, 10])) == first.block_table[:1]
 
 
 def test_freed_cached_blocks_are_reused_then_evicted_lru():
     bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
-    a = Sequence([1, 2, 3, 4, 5])
+    a = Request([1, 2, 3, 4, 5])
     bm.allocate(a, 5)
     bm.free(a)
     assert bm.num_free_blocks == 4 and len(bm.cached) == 2
-    b = Sequence([1, 2, 3, 4, 6])
+    b = Request([1, 2, 3, 4, 6])
     assert bm.allocate(b, 5) == 1  # four tokens came from the cache
     assert b.metrics.num_cached_tokens == 0  # the scheduler records it, not the manager
     assert bm.prefix_cache_stats == PrefixCacheStats(requests=2, queries=10, hits=4, hit_requests=1)
     bm.free(b)
     # New content needs all 4 blocks: the cached ones are evicted, oldest-freed first, and forgotten.
-    c = Sequence([9] * 8)
+    c = Request([9] * 8)
     assert bm.allocate(c, 8) == 8
-    assert bm.cached_prefix(Sequence([1, 2, 3, 4, 5])) == []
+    assert bm.cached_prefix(Request([1, 2, 3, 4, 5])) == []
 
 
 def test_allocation_is_all_or_nothing():
     bm = BlockManager(num_blocks=3, block_size=2)
-    seq = Sequence([1] * 5)
+    seq = Request([1] * 5)
     assert bm.allocate(seq, 5) == 5
     assert bm.num_free_blocks == 0
-    other = Sequence([2] * 3)
+    other = Request([2] * 3)
     assert bm.allocate(other, 3) is None
     assert other.block_table == [] and bm.num_free_blocks == 0
 
 
 def test_predicted_fragmentation_counts_last_block_waste_and_entries():
-    from kvlab.metrics import predicted_fragmentation
+    from kvlab.engine.metrics import predicted_fragmentation
 
     frag = predicted_fragmentation([1, 4, 5, 8], block_size=4)
     assert frag.last_block_waste == (3 + 0 + 3 + 0) / 4 and frag.table_entries == (1 + 1 + 2 + 2) / 4
@@ -163,7 +163,7 @@ def test_predicted_fragmentation_counts_last_block_waste_and_entries():
 
 def test_num_cached_blocks_outlives_the_request():
     bm = BlockManager(8, 4, enable_prefix_caching=True)
-    seq = Sequence(list(range(2, 12)))  # 10 tokens: 2 full blocks
+    seq = Request(list(range(2, 12)))  # 10 tokens: 2 full blocks
     bm.allocate(seq, 10)
     assert bm.num_cached_blocks == 2
     bm.free(seq)
@@ -171,7 +171,7 @@ def test_num_cached_blocks_outlives_the_request():
 
 
 def test_block_hash_is_chained_stable_and_content_addressed():
-    from kvlab.block_manager import block_hash
+    from kvlab.engine.block_manager import block_hash
 
     root = block_hash(None, [1, 2, 3, 4])
     assert root == block_hash(None, [1, 2, 3, 4])  # not seeded per process, unlike hash()
@@ -185,13 +185,13 @@ def test_free_queue_order_matches_vllm():
     the back in the order freed; a request's blocks are freed tail first. Expected orders derived by hand."""
     bm = BlockManager(num_blocks=6, block_size=2, enable_prefix_caching=True)
     free = bm.allocator.free_order
-    a = Sequence([1, 2, 3, 4, 5])  # blocks 0, 1 full (cached), block 2 partial
+    a = Request([1, 2, 3, 4, 5])  # blocks 0, 1 full (cached), block 2 partial
     assert bm.allocate(a, 5) == 5 and a.block_table == [0, 1, 2] and free() == [3, 4, 5]
     bm.free(a)  # freed 2, 1, 0: the partial 2 to the front; cached 1 then 0 to the back
     assert free() == [2, 3, 4, 5, 1, 0]
-    b = Sequence([9, 9, 8, 8, 7, 7, 6])  # unrelated: takes the four uncached blocks first
+    b = Request([9, 9, 8, 8, 7, 7, 6])  # unrelated: takes the four uncached blocks first
     assert bm.allocate(b, 7) == 7 and b.block_table == [2, 3, 4, 5] and free() == [1, 0]
-    c = Sequence([5, 5, 4])  # needs two blocks: evicts A's tail block 1 before its head block 0
+    c = Request([5, 5, 4])  # needs two blocks: evicts A's tail block 1 before its head block 0
     assert bm.allocate(c, 3) == 3 and c.block_table == [1, 0] and bm.num_cached_blocks == 4  # b's 3 + c's 1
     bm.free(c)
     bm.free(b)
@@ -199,7 +199,7 @@ def test_free_queue_order_matches_vllm():
     assert free() == [5, 0, 1, 4, 3, 2]
     # Without prefix caching nothing is cached: every freed block goes to the front, last freed first.
     plain = BlockManager(num_blocks=4, block_size=2)
-    d = Sequence([1, 2, 3, 4, 5])
+    d = Request([1, 2, 3, 4, 5])
     plain.allocate(d, 5)
     plain.free(d)
     assert plain.allocator.free_order() == [2, 1, 0, 3]
@@ -208,13 +208,13 @@ def test_free_queue_order_matches_vllm():
 def test_cache_salt_changes_every_block_hash():
     bm = BlockManager(num_blocks=16, block_size=2, enable_prefix_caching=True)
     tokens = [3, 4, 5, 6, 7]
-    salted = Sequence(tokens, cache_salt="a")
+    salted = Request(tokens, cache_salt="a")
     assert bm.allocate(salted, 5) == 5
-    assert bm.cached_prefix(Sequence(tokens + [1], cache_salt="b")) == []
-    assert bm.cached_prefix(Sequence(tokens + [1])) == []
-    assert bm.cached_prefix(Sequence(tokens + [1], cache_salt="a")) == salted.block_table[:2]
+    assert bm.cached_prefix(Request(tokens + [1], cache_salt="b")) == []
+    assert bm.cached_prefix(Request(tokens + [1])) == []
+    assert bm.cached_prefix(Request(tokens + [1], cache_salt="a")) == salted.block_table[:2]
     with pytest.raises(ValueError, match="cache_salt"):
-        Sequence(tokens, cache_salt=1)  # type: ignore[arg-type]
+        Request(tokens, cache_salt=1)  # type: ignore[arg-type]
 
 
 def test_sliding_group_frees_behind_the_window_and_hits_on_the_window_only():
@@ -226,7 +226,7 @@ def test_sliding_group_frees_behind_the_window_and_hits_on_the_window_only():
         windows=[5],
         prefix_cache_retention_interval=None,
     )
-    seq = Sequence(list(range(10, 30)))
+    seq = Request(list(range(10, 30)))
     assert bm.allocate(seq, 4) == 4  # tokens 0..3
     seq.num_computed_tokens = 4
     assert bm.append_slots(seq, 4)  # next query at 4 reads from token 0: nothing skipped yet
@@ -235,7 +235,7 @@ def test_sliding_group_frees_behind_the_window_and_hits_on_the_window_only():
     assert bm.append_slots(seq, 4)  # query at 8 reads tokens 4..: blocks 0, 1 (tokens 0..3) freed
     assert seq.block_table[:2] == [NULL_BLOCK] * 2 and bm.num_used_blocks == 4
     # A later request with the same first 12 tokens hits on the blocks its window still reads (tokens 8..11).
-    other = Sequence(list(range(10, 22)) + [99])
+    other = Request(list(range(10, 22)) + [99])
     tables = bm.cached_tables(other)
     assert tables[0][:4] == [NULL_BLOCK] * 4 and len(tables[0]) == 6
 

@@ -8,7 +8,7 @@ matplotlib.use("Agg")
 import browser_book  # noqa: E402
 import pytest  # noqa: E402
 
-from kvlab import plot  # noqa: E402
+from kvlab.book import plot  # noqa: E402
 
 
 @pytest.fixture

@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from kvlab import budget, hardware, sizing
+from kvlab.costs import budget
 from kvlab.measure import MemoryTracker
 from kvlab.models import tiny_model
+from kvlab.specs import hardware, sizing
 from kvlab.units import GiB, MiB
 
 LLAMA3 = "meta-llama/Llama-3.1-8B"

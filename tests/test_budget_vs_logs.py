@@ -3,9 +3,9 @@
 The prediction starts from the GPU's total memory, the model's config and the log's settings: never from the
 printed available memory nor from the printed weights, activation or non-torch terms. Where the log prints
 CUDA's total (`total_gpu_memory`), that is the capacity and no driver reserve is estimated; otherwise the
-capacity is `kvlab.hardware`'s NVML total for the GPU the post names.
+capacity is `kvlab.specs.hardware`'s NVML total for the GPU the post names.
 
-The bound (kvlab.budget's docstring): kvlab's pool is never above vLLM's by more than 2 %, and stays within
+The bound (kvlab.costs.budget's docstring): kvlab's pool is never above vLLM's by more than 2 %, and stays within
 `BAND` below it. Logs older than the CUDA-graph estimate (v0 format, or a version before 0.21) are predicted
 with `estimate_cuda_graphs=False`, the way that version sized its pool; every other term is 0.33's.
 Run with `-s` to see the table.
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from kvlab import budget, hardware, shape
+from kvlab.costs import budget
+from kvlab.specs import hardware, shape
 
 INDEX = Path(__file__).parent / "data" / "vllm_logs" / "index.json"
 BAND = 0.30  # kvlab's pool may fall this far below vLLM's printed figure (conservative estimates)

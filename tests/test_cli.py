@@ -3,7 +3,8 @@ import sys
 
 import pytest
 
-from kvlab import budget, cli
+from kvlab import cli
+from kvlab.costs import budget
 
 
 def test_size_report(capsys):

@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from kvlab import arch, cli, sweep
+from kvlab import cli
+from kvlab.book import sweep
+from kvlab.specs import arch
 
 ENV = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
 

@@ -1,14 +1,14 @@
-"""kvlab.diagnose: hand-worked workloads, each lever of the book's order, and every error path."""
+"""kvlab.planning.diagnose: hand-worked workloads, each lever of the book's order, and every error path."""
 
 import dataclasses
 import math
 
 import pytest
 
-from kvlab import budget, roofline
-from kvlab import diagnose as D
-from kvlab.diagnose import as_dict, concurrency, deployment_from_dict, diagnose, load_deployment
-from kvlab.workloads import Workload, WorkloadError
+from kvlab.costs import budget, roofline
+from kvlab.costs.workloads import Workload, WorkloadError
+from kvlab.planning import diagnose as D
+from kvlab.planning.diagnose import as_dict, concurrency, deployment_from_dict, diagnose, load_deployment
 
 LLAMA = "meta-llama/Llama-3.1-8B"
 
@@ -287,7 +287,7 @@ def test_topology_fires_only_when_no_block_fits_and_names_the_smallest_tp():
     assert not D.topology(situation(8, concurrency=8)).applies
     d = Deployment("meta-llama/Llama-3.1-70B", "H100-SXM", 160, 340, concurrency=8)
     lever = D.topology(D.situation(d))
-    # One H100 at TP=2 (kvlab.budget's terms): 0.92 × CUDA's 79.15 GiB = 72.8 GiB requested; weights 65.7, NCCL
+    # One H100 at TP=2 (kvlab.costs.budget's terms): 0.92 × CUDA's 79.15 GiB = 72.8 GiB requested; weights 65.7, NCCL
     # 2.25, the sampler's 1,024 rows × 128,256 logits × 40 B = 4.89, 51 CUDA graphs 2.41: 2.4 GiB short. TP=4
     # halves the weights to 32.9 GiB, so 4 is the smallest TP that holds a block.
     assert lever.applies and lever.numbers["tp_fit"] == 4

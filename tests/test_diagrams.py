@@ -1,4 +1,4 @@
-"""The book's diagrams (kvlab.diagrams): drawn from the state they are given, readable, and committed as built."""
+"""The book's diagrams (kvlab.book.diagrams): drawn from the state they are given, readable, and committed as built."""
 
 from pathlib import Path
 
@@ -7,10 +7,10 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.text import Text
 
-from kvlab import diagrams
-from kvlab.budget import memory_budget
-from kvlab.shape import shape
-from kvlab.sizing import kv_bytes_per_token
+from kvlab.book import diagrams
+from kvlab.costs.budget import memory_budget
+from kvlab.specs.shape import shape
+from kvlab.specs.sizing import kv_bytes_per_token
 from kvlab.units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,14 +4,14 @@ import pytest
 import torch
 
 from kvlab.agreement import check_tokens_close, generate_with_top_k
-from kvlab.block_manager import NULL_BLOCK
-from kvlab.config import EngineConfig
+from kvlab.costs.workloads import synthetic_trace
 from kvlab.engine import LLMEngine
-from kvlab.metrics import PrefixCacheStats, mean_kv_utilisation
-from kvlab.model_runner import ModelRunner
+from kvlab.engine.block_manager import NULL_BLOCK
+from kvlab.engine.config import EngineConfig
+from kvlab.engine.metrics import PrefixCacheStats, mean_kv_utilisation
+from kvlab.engine.model_runner import ModelRunner
+from kvlab.engine.request import SamplingParams
 from kvlab.models import tiny_model
-from kvlab.sequence import SamplingParams
-from kvlab.workloads import synthetic_trace
 
 MAX_TOKENS = 12
 KNOBS = dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=256)
@@ -210,7 +210,7 @@ def test_sampling_with_temperature_is_seeded(llama):
 def test_num_blocks_from_memory_budget_logs_capacity(llama, caplog):
     with (
         caplog.at_level(logging.INFO, logger="kvlab.engine"),
-        caplog.at_level(logging.INFO, "kvlab.model_runner"),
+        caplog.at_level(logging.INFO, "kvlab.engine.model_runner"),
     ):
         engine = LLMEngine(llama, block_size=16, memory_budget_bytes=8 * 2**20, max_num_batched_tokens=64)
     weights = sum(p.numel() * p.element_size() for p in llama.parameters())
@@ -222,8 +222,8 @@ def test_num_blocks_from_memory_budget_logs_capacity(llama, caplog):
 
 
 def test_measured_fragmentation_equals_prediction_and_occupancy(llama):
-    from kvlab.metrics import mean_batch_occupancy, measured_fragmentation, predicted_fragmentation
-    from kvlab.workloads import resident_lengths
+    from kvlab.costs.workloads import resident_lengths
+    from kvlab.engine.metrics import mean_batch_occupancy, measured_fragmentation, predicted_fragmentation
 
     trace = synthetic_trace(
         10, "alpaca", request_rate=50.0, scale=0.5, seed=5, max_input_len=30, max_output_len=20
@@ -246,7 +246,7 @@ def test_measured_fragmentation_equals_prediction_and_occupancy(llama):
 
 
 def test_prefix_hits_equal_prediction_on_a_shared_prefix_trace(llama):
-    from kvlab.workloads import predicted_prefix_hit_tokens
+    from kvlab.costs.workloads import predicted_prefix_hit_tokens
 
     trace = synthetic_trace(
         8, "alpaca", request_rate=50.0, seed=6, shared_prefix_len=10, shared_prefix_fraction=0.6,
@@ -429,10 +429,10 @@ def test_defaults_follow_vllm_and_config_is_logged(llama, caplog):
 
 
 def test_pool_sized_by_memory_budget(llama, caplog):
-    from kvlab.budget import MemoryBudget
+    from kvlab.costs.budget import MemoryBudget
 
     weights = sum(p.numel() * p.element_size() for p in llama.parameters())
-    with caplog.at_level(logging.INFO, logger="kvlab.model_runner"):
+    with caplog.at_level(logging.INFO, logger="kvlab.engine.model_runner"):
         engine = LLMEngine(
             llama, block_size=8, memory_budget_bytes=weights + 2**20, max_num_batched_tokens=64
         )

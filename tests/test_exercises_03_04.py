@@ -14,7 +14,8 @@ import re
 import pytest
 from book_pages import ANSWER, BOOK, TAKEAWAYS, answers, flat, lab_parameters, page
 
-from kvlab import budget, hardware, roofline, sizing
+from kvlab.costs import budget, roofline
+from kvlab.specs import hardware, sizing
 from kvlab.units import format_bytes, format_floor, parse_tokens
 
 LLAMA_8B = "meta-llama/Llama-3.1-8B"

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 from book_pages import ANSWER, TAKEAWAYS, answers, flat, page
 
-from kvlab import budget, sizing
+from kvlab.costs import budget
+from kvlab.specs import sizing
 from kvlab.units import format_bytes
 
 LLAMA_8B = "meta-llama/Llama-3.1-8B"
@@ -132,7 +133,7 @@ def test_ch6_answers():
 
 
 def h100_max_num_seqs() -> int:
-    from kvlab import hardware, vllm_defaults
+    from kvlab.specs import hardware, vllm_defaults
 
     gpu = hardware.spec_for(H100)
     assert gpu is not None
@@ -156,7 +157,7 @@ def test_ch7_answers_and_takeaways():
 
 
 def test_ch8_takeaways_give_vllms_max_num_seqs_by_gpu():
-    from kvlab import hardware, vllm_defaults
+    from kvlab.specs import hardware, vllm_defaults
 
     def default(gpu: str) -> int:
         spec = hardware.spec_for(gpu)
@@ -169,7 +170,7 @@ def test_ch8_takeaways_give_vllms_max_num_seqs_by_gpu():
 
 
 def test_ch8_answers():
-    from kvlab import hardware
+    from kvlab.specs import hardware
 
     first, second = answers("08_continuous_batching")
     gpu = hardware.spec_for(H100)

@@ -14,9 +14,11 @@ import yaml
 from book_pages import BOOK, answers
 from transformers import LlamaConfig
 
-from kvlab import arch, budget, parallel, quant, sizing, vllm_defaults
-from kvlab.diagnose import deployment_from_dict, diagnose
+from kvlab.costs import budget
+from kvlab.experiments import parallel, quant
 from kvlab.offload.reload import recompute_vs_reload
+from kvlab.planning.diagnose import deployment_from_dict, diagnose
+from kvlab.specs import arch, sizing, vllm_defaults
 from kvlab.units import format_bytes
 
 

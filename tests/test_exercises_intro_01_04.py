@@ -12,8 +12,10 @@ import json
 import torch
 from book_pages import ANSWER, BOOK, answers, lab_parameters, page
 
-from kvlab import budget, models, sizing
-from kvlab.shape import shape
+from kvlab import models
+from kvlab.costs import budget
+from kvlab.specs import sizing
+from kvlab.specs.shape import shape
 from kvlab.units import format_bytes, parse_tokens
 
 LLAMA_8B = "meta-llama/Llama-3.1-8B"
@@ -135,7 +137,9 @@ def worked_example() -> str:
 
 
 def test_ch2_worked_example_bytes_per_token():
-    config = json.loads((BOOK.parent / "src" / "kvlab" / "configs" / "Qwen--Qwen2.5-7B.json").read_text())
+    config = json.loads(
+        (BOOK.parent / "src" / "kvlab" / "specs" / "configs" / "Qwen--Qwen2.5-7B.json").read_text()
+    )
     layers, kv_heads = config["num_hidden_layers"], config["num_key_value_heads"]
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     per_token = sizing.kv_bytes_per_token(QWEN_7B, "bf16")

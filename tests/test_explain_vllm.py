@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from kvlab import budget, cli, explain_vllm, hardware, units, vllm_log
+from kvlab import cli, units
+from kvlab.costs import budget
+from kvlab.planning import explain_vllm, vllm_log
+from kvlab.specs import hardware
 
 DATA = Path(__file__).parent / "data" / "vllm_logs"
 INDEX = json.loads((DATA / "index.json").read_text())

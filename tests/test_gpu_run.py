@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.gpu import load_params, slug
-from kvlab.report import NO_GPU_RUN, gpu_results_table
-from kvlab.sweep import SweepError
+from kvlab.book.gpu import load_params, slug
+from kvlab.book.report import NO_GPU_RUN, gpu_results_table
+from kvlab.book.sweep import SweepError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {  # chapter 1 in seconds on CPU; recomputing 1024 tokens outweighs the per-step overhead, as the lab asserts
@@ -88,7 +88,7 @@ def test_without_a_gpu_make_gpu_says_how_to_dry_run(tmp_path, monkeypatch):
     monkeypatch.delenv("KVLAB_GPU_STUB", raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     done = subprocess.run(
-        [sys.executable, "-m", "kvlab.gpu", "--root", str(ROOT), "--out", str(tmp_path)],
+        [sys.executable, "-m", "kvlab.book.gpu", "--root", str(ROOT), "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),

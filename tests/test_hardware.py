@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from kvlab import hardware
+from kvlab.specs import hardware
 
 
 @pytest.mark.parametrize("name", hardware.registry())
@@ -159,7 +159,7 @@ def test_measure_rejects_bad_sizes(kwargs):
 
 def test_the_spec_table_imports_without_torch():
     # the CLI reads the spec table alone; the probes import torch when built
-    code = "import sys, kvlab.hardware; assert 'torch' not in sys.modules, sorted(sys.modules)"
+    code = "import sys, kvlab.specs.hardware; assert 'torch' not in sys.modules, sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -173,7 +173,7 @@ def test_compute_dtype():
 
 
 def test_spec_for_a_form_factor_the_table_lacks_is_no_spec_not_another_part():
-    from kvlab.hardware import spec_for
+    from kvlab.specs.hardware import spec_for
 
     # The table holds the H800 SXM5 part only, and no H100 NVL (94 GB): neither may borrow a listed part's spec.
     assert spec_for("NVIDIA H800 PCIe") is None

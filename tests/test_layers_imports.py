@@ -166,3 +166,52 @@ def test_the_graph_reads_every_kind_of_import(tmp_path):
     }
     assert find_cycles(graph) == [["kvlab", "kvlab.a", "kvlab.b", "kvlab.sub.c", "kvlab"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+# The layers from the bottom up (docs/modules.md): a module may import from its own layer and the ones before it.
+LAYERS = [
+    {"kvlab.checks", "kvlab.units", "kvlab.version", "kvlab.env", "kvlab.claims", "kvlab.measure"}
+    | {"kvlab.agreement", "kvlab.kv_format"},
+    {"kvlab.specs"},
+    {"kvlab.models"},
+    {"kvlab.costs"},
+    {"kvlab.engine"},
+    {"kvlab.offload"},
+    {"kvlab.planning"},
+    {"kvlab.experiments"},
+    {"kvlab.book"},
+    {"kvlab.cli"},
+]
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the module's layer: its top-level module or package under kvlab."""
+    top = ".".join(module.split(".")[:2])
+    found = [i for i, layer in enumerate(LAYERS) if top in layer]
+    if not found:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS and docs/modules.md")
+    return found[0]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every edge from a module to one in a higher layer, as 'importer -> imported'."""
+    return [
+        f"{node} -> {target}"
+        for node, targets in sorted(graph.items())
+        if node != PACKAGE
+        for target in sorted(targets)
+        if target != PACKAGE and layer_of(target) > layer_of(node)
+    ]
+
+
+def test_packages_import_only_the_layers_below():
+    upward = upward_imports(import_graph())
+    assert not upward, "imports from a higher layer (docs/modules.md):\n" + "\n".join(upward)
+
+
+def test_an_upward_import_is_caught():
+    graph = {
+        "kvlab.specs.sizing": {"kvlab.engine.scheduler"},
+        "kvlab.engine.scheduler": {"kvlab.specs.sizing"},
+    }
+    assert upward_imports(graph) == ["kvlab.specs.sizing -> kvlab.engine.scheduler"]

@@ -3,8 +3,8 @@ import math
 import numpy as np
 import pytest
 
-from kvlab.metrics import SLO, RequestMetrics, duration, summarize
-from kvlab.workloads import ALPACA, SHAREGPT, poisson_arrivals, synthetic_trace
+from kvlab.costs.workloads import ALPACA, SHAREGPT, poisson_arrivals, synthetic_trace
+from kvlab.engine.metrics import SLO, RequestMetrics, duration, summarize
 
 
 def request(arrival, token_times, prompt=10):
@@ -85,14 +85,14 @@ def test_shared_system_prompt_fraction():
 
 
 def test_resident_lengths_one_per_request_step():
-    from kvlab.workloads import TraceRequest, resident_lengths
+    from kvlab.costs.workloads import TraceRequest, resident_lengths
 
     trace = [TraceRequest(0.0, (5, 6, 7), 4), TraceRequest(0.0, (5,), 1)]
     assert resident_lengths(trace) == [3, 4, 5]  # the one-token request retires in its prefill step
 
 
 def test_predicted_prefix_hit_tokens_whole_blocks_after_the_first_sharer():
-    from kvlab.workloads import TraceRequest, predicted_prefix_hit_tokens
+    from kvlab.costs.workloads import TraceRequest, predicted_prefix_hit_tokens
 
     prefix = tuple(range(2, 12))  # 10 tokens: 2 whole blocks of 4
     trace = [

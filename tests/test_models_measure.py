@@ -2,7 +2,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvlab import decode, measure, models, sizing
+from kvlab import measure, models
+from kvlab.experiments import decode
+from kvlab.specs import sizing
 
 
 def test_tiny_model_is_seeded_and_real():

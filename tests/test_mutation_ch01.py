@@ -7,7 +7,8 @@ check that caught it.
 
 import pytest
 
-from kvlab import claims, decode, models
+from kvlab import claims, models
+from kvlab.experiments import decode
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvlab import claims, models, timing
+from kvlab import claims, models
+from kvlab.experiments import timing
 from kvlab.measure import Timer
 
 pytestmark = pytest.mark.slow

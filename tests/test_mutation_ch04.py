@@ -11,7 +11,10 @@ import dataclasses
 import pytest
 import torch
 
-from kvlab import claims, hardware, models, roofline, timing
+from kvlab import claims, models
+from kvlab.costs import roofline
+from kvlab.experiments import timing
+from kvlab.specs import hardware
 
 pytestmark = pytest.mark.slow
 

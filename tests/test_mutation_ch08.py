@@ -1,6 +1,6 @@
 """Chapter 8's wall-clock claim catches a wrong claim: the lab's measure and check, with a mutation applied.
 
-The lab runs `kvlab.wallclock.measure_schedulers` and `check_schedulers` through `kvlab.claims.measure_claim`;
+The lab runs `kvlab.experiments.wallclock.measure_schedulers` and `check_schedulers` through `kvlab.claims.measure_claim`;
 these tests run the same functions on the real SmolLM2-135M at the lab's CPU size, already the smallest that keeps
 the claim's margins (8 requests, 4 sequences at most, 77 output tokens; with 6 requests and 3 sequences the
 simulator predicts continuous batching only 8 % ahead on throughput). A control shows that the true claim holds
@@ -12,8 +12,9 @@ import functools
 
 import pytest
 
-from kvlab import claims, models, wallclock
-from kvlab.workloads import synthetic_trace
+from kvlab import claims, models
+from kvlab.costs.workloads import synthetic_trace
+from kvlab.experiments import wallclock
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """Chapter 9's timing claims catch a wrong engine or a wrong cost: prefix caching silently off, the prefill cost
 doubled.
 
-Each mutation goes through the same `kvlab.prefix_ttft` measurements and checks the lab runs through
+Each mutation goes through the same `kvlab.experiments.prefix_ttft` measurements and checks the lab runs through
 `kvlab.claims.measure_claim`, on the same real model (SmolLM2-135M) at smaller sizes, one attempt:
 
 - hits reported but recomputed: the block manager finds and reports the cached prefix, then the engine computes
@@ -17,9 +17,9 @@ from __future__ import annotations
 import pytest
 
 from kvlab import claims, models
-from kvlab import prefix_ttft as pt
-from kvlab import simulate as sim
-from kvlab.block_manager import BlockManager
+from kvlab.engine.block_manager import BlockManager
+from kvlab.experiments import prefix_ttft as pt
+from kvlab.planning import simulate as sim
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """Chapter 14's validation claim catches a wrong simulator: the lab's measure and check, with a mutation applied.
 
-The lab runs `kvlab.simulate.validate` (a tiny Llama on the real engine, timed in process CPU time, against the
-simulator charged a cost calibrated on other traces) and `kvlab.simulate.validation_checks` through
+The lab runs `kvlab.planning.simulate.validate` (a tiny Llama on the real engine, timed in process CPU time, against the
+simulator charged a cost calibrated on other traces) and `kvlab.planning.simulate.validation_checks` through
 `kvlab.claims.measure_claim`. Here the same functions run at the lab's traces with one round per attempt
 (`repeats=1`); a control shows that the true claim holds as the lab runs it (3 rounds, 3 attempts), and each mutation of the cost the
 simulator is charged gets one attempt and must miss, naming the checks that catch it.
@@ -18,9 +18,9 @@ import math
 import pytest
 
 from kvlab import claims
-from kvlab import simulate as sim
+from kvlab.costs.workloads import synthetic_trace
 from kvlab.models import tiny_model
-from kvlab.workloads import synthetic_trace
+from kvlab.planning import simulate as sim
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvlab import hardware, models, roofline, sizing
+from kvlab import models
+from kvlab.costs import roofline
 from kvlab.offload.cache import DiskLayer, HostLayer, OffloadedCache
 from kvlab.offload.cost import check_offload, fit_offload, measure_offload, median_interval, offload_cost
 from kvlab.offload.direct_io import ALIGN, PolledReader, aligned_buffer, open_direct
@@ -38,6 +39,7 @@ from kvlab.offload.tiers import (
     measure_tiers,
     ram_copy,
 )
+from kvlab.specs import hardware, sizing
 
 MiB = 2**20
 CUDA = torch.cuda.is_available()

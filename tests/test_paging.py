@@ -5,12 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvlab import arch
+from kvlab.costs.workloads import resident_lengths, synthetic_trace
 from kvlab.engine import LLMEngine
-from kvlab.measure import MemoryTracker, expected_pool_bytes, module_kv_bytes_per_token, tensor_bytes
-from kvlab.metrics import measured_fragmentation, predicted_fragmentation
-from kvlab.models import tiny_config, tiny_model
-from kvlab.paging import (
+from kvlab.engine.kv_pool import (
     ATTN_IMPLEMENTATION,
     KVPool,
     KVShape,
@@ -20,8 +17,11 @@ from kvlab.paging import (
     slots_for,
     split_by_width,
 )
-from kvlab.sizing import kv_bytes_per_token
-from kvlab.workloads import resident_lengths, synthetic_trace
+from kvlab.engine.metrics import measured_fragmentation, predicted_fragmentation
+from kvlab.measure import MemoryTracker, expected_pool_bytes, module_kv_bytes_per_token, tensor_bytes
+from kvlab.models import tiny_config, tiny_model
+from kvlab.specs import arch
+from kvlab.specs.sizing import kv_bytes_per_token
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
 
@@ -120,7 +120,7 @@ def assert_pool_bytes_measured(model, engine_kwargs):
     Measured: the bytes of the storage behind the pool tensor the engine allocated (`measure.tensor_bytes`), and
     what the engine's construction left allocated (`MemoryTracker`: storage accounting on CPU,
     `torch.cuda.memory_allocated` on a GPU). Expected: `measure.expected_pool_bytes`, from each attention module's
-    `k_proj`/`v_proj` output sizes; neither side goes through `kvlab.arch`, which shapes the pool.
+    `k_proj`/`v_proj` output sizes; neither side goes through `kvlab.specs.arch`, which shapes the pool.
     """
     device = next(model.parameters()).device
     with MemoryTracker(device) as mem:
@@ -143,11 +143,11 @@ def test_engine_pool_bytes_measured_equal_module_expectation(family):
 
 @pytest.mark.parametrize("mutation", ["extra layer", "extra kv head"])
 def test_pool_bytes_check_catches_a_pool_of_the_wrong_shape(monkeypatch, mutation):
-    """Proof the check is independent: if kvlab.arch reported one layer or one KV head too many, the pool (shaped
+    """Proof the check is independent: if kvlab.specs.arch reported one layer or one KV head too many, the pool (shaped
     from it) would be wrong, and the measured-vs-modules check must fail."""
-    import kvlab.paging
+    import kvlab.engine.kv_pool
 
-    real_describe = kvlab.paging.describe
+    real_describe = kvlab.engine.kv_pool.describe
 
     def wrong(config):
         spec = real_describe(config)
@@ -158,7 +158,7 @@ def test_pool_bytes_check_catches_a_pool_of_the_wrong_shape(monkeypatch, mutatio
         return dataclasses.replace(spec, layers=layers)
 
     model = tiny_model("llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=256)
-    monkeypatch.setattr(kvlab.paging, "describe", wrong)
+    monkeypatch.setattr(kvlab.engine.kv_pool, "describe", wrong)
     with pytest.raises(AssertionError):
         assert_pool_bytes_measured(model, dict(block_size=8, num_blocks=10))
 
@@ -227,15 +227,15 @@ def test_fragmentation_equals_prediction_from_lengths(block_size, small_trace):
 
 def test_fragmentation_check_catches_an_allocator_that_over_allocates(monkeypatch, small_trace):
     """Proof: make the allocator's block count one too many per sequence (in the helper the allocator and
-    kvlab.metrics share, as the audit did); kvlab.metrics' own prediction still agrees, the independent one fails."""
-    import kvlab.block_manager
-    import kvlab.metrics
+    kvlab.engine.metrics share, as the audit did); kvlab.engine.metrics' own prediction still agrees, the independent one fails."""
+    import kvlab.engine.block_manager
+    import kvlab.engine.metrics
 
     def one_too_many(num_tokens, block_size):
         return -(-num_tokens // block_size) + 1
 
-    monkeypatch.setattr(kvlab.block_manager, "blocks_for", one_too_many)
-    monkeypatch.setattr(kvlab.metrics, "blocks_for", one_too_many)
+    monkeypatch.setattr(kvlab.engine.block_manager, "blocks_for", one_too_many)
+    monkeypatch.setattr(kvlab.engine.metrics, "blocks_for", one_too_many)
     model = tiny_model("llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=256)
     stats = replay(model, small_trace, 4)
     assert measured_fragmentation(stats) == predicted_fragmentation(resident_lengths(small_trace), 4)

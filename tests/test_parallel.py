@@ -1,4 +1,4 @@
-"""kvlab.parallel: real 2-rank torch.distributed runs (gloo on CPU) against kvlab.sizing's predictions, the
+"""kvlab.experiments.parallel: real 2-rank torch.distributed runs (gloo on CPU) against kvlab.specs.sizing's predictions, the
 in-process sharding against real DynamicCache tensors, and bad input failing fast with one line."""
 
 import os
@@ -7,7 +7,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvlab import measure, models, parallel, roofline, sizing
+from kvlab import measure, models
+from kvlab.costs import roofline
+from kvlab.experiments import parallel
+from kvlab.specs import sizing
 
 
 @pytest.mark.parametrize(
@@ -159,7 +162,7 @@ def test_allreduce_term_and_tp_decode_step():
 
 
 def test_memory_budget_per_gpu():
-    from kvlab import budget
+    from kvlab.costs import budget
 
     name = "meta-llama/Llama-3.1-70B"
     assert budget.memory_budget(name, "H100-SXM", tp=1) == budget.memory_budget(name, "H100-SXM")

@@ -1,11 +1,11 @@
-"""kvlab.plan: capacity planning against latency targets (modelled with kvlab.simulate)."""
+"""kvlab.planning.plan: capacity planning against latency targets (modelled with kvlab.planning.simulate)."""
 
 import pytest
 
-from kvlab import budget, roofline
-from kvlab import plan as P
-from kvlab import simulate as sim
-from kvlab.workloads import Workload, WorkloadError
+from kvlab.costs import budget, roofline
+from kvlab.costs.workloads import Workload, WorkloadError
+from kvlab.planning import plan as P
+from kvlab.planning import simulate as sim
 
 SMALL = dict(num_requests=40, mean_input=200, mean_output=40)
 

@@ -1,4 +1,4 @@
-"""kvlab.plot: column-wide figures, round binary ticks, and the checks a reader's eye makes (legend on the data,
+"""kvlab.book.plot: column-wide figures, round binary ticks, and the checks a reader's eye makes (legend on the data,
 labels on each other, text too small), carried in the PNG for the browser test."""
 
 import io
@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 from matplotlib.transforms import Bbox  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from kvlab import plot  # noqa: E402
+from kvlab.book import plot  # noqa: E402
 
 GiB, MiB = 2**30, 2**20
 

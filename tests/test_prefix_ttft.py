@@ -1,4 +1,4 @@
-"""kvlab.prefix_ttft: chapter 9's wall-clock measurements and their checks, on a tiny model and on made-up runs."""
+"""kvlab.experiments.prefix_ttft: chapter 9's wall-clock measurements and their checks, on a tiny model and on made-up runs."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from kvlab import models
-from kvlab import prefix_ttft as pt
-from kvlab import simulate as sim
+from kvlab.experiments import prefix_ttft as pt
+from kvlab.planning import simulate as sim
 
 
 @pytest.fixture(scope="module")

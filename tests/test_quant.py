@@ -1,13 +1,14 @@
-"""kvlab.quant: quantizers round-trip within their error bounds, layers hold exactly the bytes they report,
+"""kvlab.experiments.quant: quantizers round-trip within their error bounds, layers hold exactly the bytes they report,
 generate runs with every variant, and fp8 / int8 keep the real model's greedy tokens."""
 
 import pytest
 import torch
 from transformers import QuantizedCache
 
-from kvlab import kv_format, measure, models, quant
+from kvlab import kv_format, measure, models
 from kvlab.agreement import compare_tokens, generate_with_top_k
-from kvlab.report import keeps_tokens
+from kvlab.book.report import keeps_tokens
+from kvlab.experiments import quant
 
 # Stated in book/11_kv_quantization: fp8 and int8 caches keep at least this fraction of greedy tokens before
 # the first difference, unless that difference swaps the two best tokens (a near-tie another CPU can flip).

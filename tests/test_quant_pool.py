@@ -7,11 +7,11 @@ import torch
 
 from kvlab import kv_format, measure, models
 from kvlab.agreement import compare_tokens
-from kvlab.config import EngineConfig
+from kvlab.book.report import keeps_tokens
 from kvlab.engine import LLMEngine
-from kvlab.paging import KVPool, KVShape
-from kvlab.report import keeps_tokens
-from kvlab.sequence import SamplingParams
+from kvlab.engine.config import EngineConfig
+from kvlab.engine.kv_pool import KVPool, KVShape
+from kvlab.engine.request import SamplingParams
 
 # Stated in book/11_kv_quantization: greedy outputs of the fp8 and int8 engine pools against the unquantized
 # pool, over the prompts below: every first difference is a near-tie (each side's token in the other's top 5),

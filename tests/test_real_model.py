@@ -5,7 +5,8 @@ import importlib.util
 import pytest
 import torch
 
-from kvlab import models, sizing
+from kvlab import models
+from kvlab.specs import sizing
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def test_missing_wheel_says_how_to_install(monkeypatch, tmp_path):
 
 
 def test_evaluation_text_is_long_enough(real):
-    from kvlab import quant
+    from kvlab.experiments import quant
 
     _, tokenizer = real
     assert len(tokenizer(quant.evaluation_text())["input_ids"]) >= 20_000

@@ -1,9 +1,9 @@
-"""kvlab.report: tables, and greedy agreement that a near-tie cannot flip."""
+"""kvlab.book.report: tables, and greedy agreement that a near-tie cannot flip."""
 
 import pytest
 
 from kvlab.agreement import compare_tokens
-from kvlab.report import Table, keeps_tokens, share_kept, tokens_kept
+from kvlab.book.report import Table, keeps_tokens, share_kept, tokens_kept
 
 
 def test_table_formats_ints_floats_and_rejects_ragged_rows():
@@ -52,7 +52,7 @@ def test_keeps_tokens_rejects_a_threshold_outside_0_1():
 def test_glue_all_stores_each_value_under_its_prefixed_name_in_order(monkeypatch):
     import myst_nb
 
-    from kvlab.report import glue_all
+    from kvlab.book.report import glue_all
 
     stored = []
     monkeypatch.setattr(
@@ -65,7 +65,7 @@ def test_glue_all_stores_each_value_under_its_prefixed_name_in_order(monkeypatch
 def test_glue_all_refuses_a_name_the_glue_role_cannot_spell():
     import pytest
 
-    from kvlab.report import glue_all
+    from kvlab.book.report import glue_all
 
     with pytest.raises(ValueError, match="identifier"):
         glue_all({"two words": 1})

@@ -9,9 +9,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import DynamicCache
 
-from kvlab import hardware, roofline, sizing, timing
-from kvlab.arch import UnknownModelError
+from kvlab.costs import roofline
+from kvlab.experiments import timing
 from kvlab.models import tiny_config, tiny_model
+from kvlab.specs import hardware, sizing
+from kvlab.specs.arch import UnknownModelError
 
 H100 = hardware.get("H100-SXM")
 LLAMA2 = "meta-llama/Llama-2-7b-hf"

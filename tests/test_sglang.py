@@ -1,4 +1,4 @@
-"""SGLang's pool (kvlab.sglang): its automatic static fraction as SGLang 0.5.23 computes it, the token pool, and
+"""SGLang's pool (kvlab.costs.sglang): its automatic static fraction as SGLang 0.5.23 computes it, the token pool, and
 published SGLang logs (tests/data/sglang_logs/)."""
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvlab import cli, hardware, sglang, sizing
+from kvlab import cli
+from kvlab.costs import sglang
+from kvlab.specs import hardware, sizing
 from kvlab.units import GiB, MiB
 
 LOGS = sorted((Path(__file__).parent / "data" / "sglang_logs").glob("*.json"))

@@ -4,14 +4,14 @@ import json
 
 import pytest
 
-from kvlab import arch, shape, sizing
+from kvlab.specs import arch, shape, sizing
 
 
 @pytest.mark.parametrize("name", arch.registry())
 def test_stored_shape_is_the_one_transformers_gives(name):
     stored = json.loads(shape.SHAPES.read_text())["models"][name]
     assert stored == json.loads(json.dumps(shape._encode(arch.get(name)))), (
-        f"configs/shapes.json is stale for {name}: run python -m kvlab.shape"
+        f"configs/shapes.json is stale for {name}: run python -m kvlab.specs.shape"
     )
     assert shape.shape(name).spec == arch.describe(arch.get(name))
     assert set(json.loads(shape.SHAPES.read_text())["models"]) == set(arch.registry())

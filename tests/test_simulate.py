@@ -1,4 +1,4 @@
-"""kvlab.simulate: the scheduler and block manager on a virtual clock, validated against the real engine."""
+"""kvlab.planning.simulate: the scheduler and block manager on a virtual clock, validated against the real engine."""
 
 import dataclasses
 import hashlib
@@ -8,14 +8,14 @@ import math
 import numpy as np
 import pytest
 
-from kvlab import simulate as sim
-from kvlab.clock import VirtualClock
-from kvlab.config import EngineConfig
-from kvlab.cost_runner import CostRunner
+from kvlab.costs.workloads import synthetic_trace
 from kvlab.engine import LLMEngine
+from kvlab.engine.clock import VirtualClock
+from kvlab.engine.config import EngineConfig
+from kvlab.engine.cost_runner import CostRunner
+from kvlab.engine.request import SamplingParams
 from kvlab.models import tiny_model
-from kvlab.sequence import SamplingParams
-from kvlab.workloads import synthetic_trace
+from kvlab.planning import simulate as sim
 
 KNOBS = dict(
     num_blocks=48, block_size=8, max_num_seqs=16, max_num_batched_tokens=64, enable_prefix_caching=False
@@ -206,7 +206,7 @@ def test_validation_checks_apply_each_percentile_band():
 
 
 def test_measure_schedulers_runs_both_schedulers_and_predicts_their_steps(model):
-    from kvlab import wallclock
+    from kvlab.experiments import wallclock
 
     knobs = dict(block_size=8, num_blocks=48, max_num_seqs=4)
     c = wallclock.measure_schedulers(model, trace(8, math.inf, 5), trace(8, math.inf, 6), logprobs=2, **knobs)

@@ -1,11 +1,12 @@
-"""kvlab.sizing must equal, to the byte, what a transformers 5.24 DynamicCache holds."""
+"""kvlab.specs.sizing must equal, to the byte, what a transformers 5.24 DynamicCache holds."""
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlab import arch, measure, models, sizing
+from kvlab import measure, models
+from kvlab.specs import arch, sizing
 
 
 def _forward_cache_bytes(config, seq_len: int, batch: int, dtype=torch.float32) -> int:

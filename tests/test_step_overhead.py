@@ -1,14 +1,15 @@
-"""kvlab.timing.measure_step_overhead: the fixed per-step cost, measured on a hollow twin of the model."""
+"""kvlab.experiments.timing.measure_step_overhead: the fixed per-step cost, measured on a hollow twin of the model."""
 
 import math
 
 import pytest
 from transformers import PretrainedConfig
 
-from kvlab import hardware, timing
+from kvlab.costs.roofline import REALISM, Realism, decode_step, realistic_time
+from kvlab.experiments import timing
+from kvlab.experiments.timing import hollow_config, measure_step_overhead
 from kvlab.models import tiny_model
-from kvlab.roofline import REALISM, Realism, decode_step, realistic_time
-from kvlab.timing import hollow_config, measure_step_overhead
+from kvlab.specs import hardware
 
 
 def test_hollow_twin_keeps_layers_and_heads_and_shrinks_widths():

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvlab import cli, sweep
+from kvlab import cli
+from kvlab.book import sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 LAB1 = ROOT / "book/01_cache_contents/lab.ipynb"

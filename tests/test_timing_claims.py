@@ -1,4 +1,4 @@
-"""kvlab.timing's measured claims (chapters 3 and 4) and kvlab.decode's (chapter 1): what each sweep measures,
+"""kvlab.experiments.timing's measured claims (chapters 3 and 4) and kvlab.experiments.decode's (chapter 1): what each sweep measures,
 and what each check decides on numbers chosen by hand (no timing decides a test here)."""
 
 import math
@@ -7,9 +7,11 @@ import pytest
 import torch
 from test_step_overhead import FAKE_DEVICE
 
-from kvlab import claims, decode, roofline, timing
+from kvlab import claims
+from kvlab.costs import roofline
+from kvlab.costs.roofline import StepEstimate
+from kvlab.experiments import decode, timing
 from kvlab.models import tiny_config, tiny_model
-from kvlab.roofline import StepEstimate
 
 # The same round-figure device the overhead tests use: predictions below are exact arithmetic.
 FAKE = FAKE_DEVICE

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvlab import budget, hardware, vllm_defaults
-from kvlab.config import VLLM_DEFAULTS, EngineConfig
+from kvlab.costs import budget
+from kvlab.engine.config import VLLM_DEFAULTS, EngineConfig
+from kvlab.specs import hardware, vllm_defaults
 
 GiB = 2**30
 SRC = Path(vllm_defaults.__file__).parent
@@ -82,7 +83,7 @@ def test_no_other_module_types_a_vllm_default():
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if UTILISATION.search(line) or CALLED_DEFAULT.search(line):
                 offenders.append(f"{path.relative_to(SRC)}:{number}: {line.strip()}")
-    assert not offenders, "vLLM defaults typed outside kvlab.vllm_defaults:\n" + "\n".join(offenders)
+    assert not offenders, "vLLM defaults typed outside kvlab.specs.vllm_defaults:\n" + "\n".join(offenders)
 
 
 def test_the_check_finds_a_typed_default():

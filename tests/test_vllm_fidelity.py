@@ -11,18 +11,18 @@ ids, free-queue orders and hit lengths by hand from vLLM's rules, not from kvlab
 import pytest
 import torch
 
-from kvlab import vllm_defaults
-from kvlab.block_manager import NULL_BLOCK, BlockManager, max_admission_blocks
-from kvlab.config import VLLM_DEFAULTS, EngineConfig
 from kvlab.engine import LLMEngine
+from kvlab.engine.block_manager import NULL_BLOCK, BlockManager, max_admission_blocks
+from kvlab.engine.config import VLLM_DEFAULTS, EngineConfig
+from kvlab.engine.request import Request, SamplingParams
+from kvlab.engine.scheduler import RunnerOutput, Scheduler, SchedulerConfig, SchedulerStalled
 from kvlab.models import tiny_model
-from kvlab.scheduler import RunnerOutput, Scheduler, SchedulerConfig, SchedulerStalled
-from kvlab.sequence import SamplingParams, Sequence
+from kvlab.specs import vllm_defaults
 
 KNOBS = dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=256)
 
 
-def compute_whole_prompt(bm: BlockManager, seq: Sequence) -> int | None:
+def compute_whole_prompt(bm: BlockManager, seq: Request) -> int | None:
     """Admit `seq` with its whole prompt in one chunk (what the scheduler does with a large token budget)."""
     return bm.allocate(seq, seq.num_tokens)
 
@@ -37,12 +37,12 @@ def test_a_block_aligned_prompt_sent_again_caches_a_duplicate_that_outlives_the_
     bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=True)
     free = bm.allocator.free_order
     prompt = list(range(1, 9))  # two full blocks
-    a = Sequence(prompt)
+    a = Request(prompt)
     assert compute_whole_prompt(bm, a) == 8 and a.block_table == [0, 1]
     bm.free(a)  # tail first, both cached: to the back
     assert free() == [2, 3, 4, 5, 1, 0]
 
-    b = Sequence(prompt)
+    b = Request(prompt)
     # Block 0 hits; the second block is recomputed into the front block, 2.
     assert compute_whole_prompt(bm, b) == 4
     assert b.block_table == [0, 2] and bm.num_cached_blocks == 3  # block 2 is a second copy of block 1's hash
@@ -50,13 +50,13 @@ def test_a_block_aligned_prompt_sent_again_caches_a_duplicate_that_outlives_the_
     # 2 (cached copy) then 0 (cached) to the back: vLLM's order. A duplicate left unhashed would go to the front.
     assert free() == [3, 4, 5, 1, 2, 0]
     # While both copies live, a lookup takes the first one cached.
-    assert bm.cached_prefix(Sequence(prompt + [10])) == [0, 1]
+    assert bm.cached_prefix(Request(prompt + [10])) == [0, 1]
 
     # Unrelated content takes four blocks from the front: 3, 4, 5 and 1, evicting the original copy.
-    c = Sequence([9] * 13)
+    c = Request([9] * 13)
     assert compute_whole_prompt(bm, c) == 13 and c.block_table == [3, 4, 5, 1]
     # The duplicate still serves the prompt: a longer request hits both of its blocks.
-    d = Sequence(prompt + [10])
+    d = Request(prompt + [10])
     assert bm.cached_prefix(d) == [0, 2]
     bm.free(c)
     assert compute_whole_prompt(bm, d) == 1 and bm.prefix_cache_stats.hits == 4 + 8
@@ -64,7 +64,7 @@ def test_a_block_aligned_prompt_sent_again_caches_a_duplicate_that_outlives_the_
 
 def test_evicting_one_copy_keeps_the_hash_cached_until_the_last_copy_goes():
     bm = BlockManager(num_blocks=3, block_size=2, enable_prefix_caching=True)
-    first, second = Sequence([5, 6, 7]), Sequence([5, 6, 7])
+    first, second = Request([5, 6, 7]), Request([5, 6, 7])
     assert compute_whole_prompt(bm, first) == 3  # blocks 0 (full, cached) and 1
     # A second request admitted while the first still runs hits block 0: no duplicate from a hit.
     assert compute_whole_prompt(bm, second) == 1 and second.block_table == [0, 2]
@@ -73,7 +73,7 @@ def test_evicting_one_copy_keeps_the_hash_cached_until_the_last_copy_goes():
     assert bm.num_cached_blocks == 1
     # Two prompts that fill the same block in two running requests publish two copies of one hash.
     bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
-    x, y = Sequence([5, 6]), Sequence([5, 6])
+    x, y = Request([5, 6]), Request([5, 6])
     assert bm.allocate(x, 1) == 1 and bm.allocate(y, 1) == 1  # neither block is full yet: no hit possible
     x.num_computed_tokens = y.num_computed_tokens = 1
     assert bm.append_slots(x, 1) and bm.append_slots(y, 1)  # both blocks fill: two copies
@@ -85,7 +85,7 @@ def test_evicting_one_copy_keeps_the_hash_cached_until_the_last_copy_goes():
     bm.allocator.allocate()
     assert bm.num_cached_blocks == 2  # blocks 2 and 3 were the never-used ones at the front
     assert bm.allocator.allocate() == 0 and bm.num_cached_blocks == 1
-    assert bm.cached_prefix(Sequence([5, 6, 1])) == [1]
+    assert bm.cached_prefix(Request([5, 6, 1])) == [1]
     assert bm.allocator.allocate() == 1 and bm.num_cached_blocks == 0 and bm.cached == {}
 
 
@@ -98,7 +98,7 @@ def test_admission_cap_is_the_window_plus_the_tokens_in_flight():
     assert max_admission_blocks(32, 16, 32, max_model_len=20) == 2 + 1
     sliding = BlockManager(8, 16, windows=[32], max_in_flight_tokens=32, max_model_len=4096)
     full = BlockManager(8, 16, windows=[None], max_in_flight_tokens=32, max_model_len=4096)
-    prompt = Sequence(list(range(300)))
+    prompt = Request(list(range(300)))
     # The first chunk alone needs 2 blocks; the whole prompt 19, which a sliding group caps at 5.
     assert sliding.blocks_to_admit(prompt, 32) == 2 == full.blocks_to_admit(prompt, 32)
     assert sliding.blocks_to_admit(prompt, 32, reserve_tokens=300) == 5
@@ -132,7 +132,7 @@ def test_a_long_prompt_on_a_sliding_model_is_admitted_with_the_whole_prompt_rese
 # --- Sliding-window prefix-cache retention ----------------------------------------------------------------------
 
 
-def cached_block_indices(bm: BlockManager, seq: Sequence) -> list[int]:
+def cached_block_indices(bm: BlockManager, seq: Request) -> list[int]:
     """Which of `seq`'s blocks in group 0 carry a published hash."""
     return [
         i for i, b in enumerate(seq.block_table) if b != NULL_BLOCK and bm.allocator.hashes[b] is not None
@@ -156,15 +156,15 @@ def test_sliding_group_keeps_only_the_blocks_a_hit_can_reach(interval, kept, sib
         32, 4, enable_prefix_caching=True, windows=[8], prefix_cache_retention_interval=interval
     )
     prompt = list(range(10, 50))  # 40 tokens: 10 full blocks
-    first = Sequence(prompt)
+    first = Request(prompt)
     assert compute_whole_prompt(bm, first) == 40
     # Blocks behind the window are freed only at the next step, so the whole table is still here to inspect.
     assert cached_block_indices(bm, first) == kept
     bm.free(first)
     # A resend hits up to block 9 (36 tokens) whatever the interval: that point is always kept.
-    assert len(bm.cached_tables(Sequence(prompt))[0]) == 9
+    assert len(bm.cached_tables(Request(prompt))[0]) == 9
     # A sibling sharing the first 24 tokens, then different: its hit needs blocks 4 and 5 (or an earlier pair).
-    sibling = Sequence(prompt[:24] + [99] * 16)
+    sibling = Request(prompt[:24] + [99] * 16)
     assert len(bm.cached_tables(sibling)[0]) * 4 == sibling_hit
 
 
@@ -173,16 +173,16 @@ def test_a_shared_prefix_junction_is_kept_for_the_next_request():
     sliding window at that junction (vLLM's `shared_prefix_boundary`), so the next sibling hits the prefix."""
     bm = BlockManager(64, 4, enable_prefix_caching=True, windows=[None, 8])
     prompt = list(range(10, 50))
-    first = Sequence(prompt)
+    first = Request(prompt)
     compute_whole_prompt(bm, first)
     bm.free(first)
-    second = Sequence(prompt[:24] + [99] * 16)
+    second = Request(prompt[:24] + [99] * 16)
     # Full attention could serve 6 blocks; the sliding group kept none of blocks 4 and 5, so nothing hits.
     assert compute_whole_prompt(bm, second) == 40 and second.shared_prefix_boundary == 24
     sliding_table = second.block_tables[1]
     assert [i for i, b in enumerate(sliding_table) if bm.allocator.hashes[b] is not None] == [4, 5, 7, 8]
     bm.free(second)
-    third = Sequence(prompt[:24] + [77] * 8)
+    third = Request(prompt[:24] + [77] * 8)
     assert compute_whole_prompt(bm, third) == 32 - 24 and third.shared_prefix_boundary == 0
 
 
@@ -205,7 +205,7 @@ def test_retention_knob_defaults_to_vllms_and_rejects_what_vllm_rejects():
 def test_a_request_an_idle_pool_cannot_admit_raises_one_line_at_once():
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
     scheduler = Scheduler(config, BlockManager(num_blocks=2, block_size=4))
-    scheduler.add(Sequence(list(range(2, 22)), request_id="long"))
+    scheduler.add(Request(list(range(2, 22)), request_id="long"))
     with pytest.raises(SchedulerStalled) as err:
         scheduler.schedule(0.0)
     message = str(err.value)
@@ -216,14 +216,14 @@ def test_a_request_an_idle_pool_cannot_admit_raises_one_line_at_once():
 class NeverGrows(BlockManager):
     """A pool that admits a sequence's first chunk but never gives it a block more: a livelock of preemption."""
 
-    def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def append_slots(self, seq: Request, num_new_tokens: int) -> bool:
         return seq.num_computed_tokens == 0 and super().append_slots(seq, num_new_tokens)
 
 
 def test_a_schedule_that_never_progresses_raises_within_the_idle_bound():
     config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=4, max_model_len=64)
     scheduler = Scheduler(config, NeverGrows(num_blocks=32, block_size=4))
-    scheduler.add(Sequence(list(range(2, 22))))
+    scheduler.add(Request(list(range(2, 22))))
     steps = 0
     with pytest.raises(SchedulerStalled, match=r"no progress in \d+ steps \(bound 20\)"):
         while steps < 1000:

@@ -1,4 +1,4 @@
-"""kvlab.vllm_log reads published vLLM start-up logs (tests/data/vllm_logs/, each cited in index.json)."""
+"""kvlab.planning.vllm_log reads published vLLM start-up logs (tests/data/vllm_logs/, each cited in index.json)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvlab import explain_vllm, sizing, vllm_log
+from kvlab.planning import explain_vllm, vllm_log
+from kvlab.specs import sizing
 
 DATA = Path(__file__).parent / "data" / "vllm_logs"
 INDEX = json.loads((DATA / "index.json").read_text())

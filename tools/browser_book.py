@@ -3,7 +3,7 @@
 Per page of _build/html, at a 1280 px laptop window: every image loads; every local link and anchor resolves; no
 raw `\\(`, `\\[`, `$$` or `{glue` is left in the text; MathJax typeset every equation; no JavaScript error; no code
 cell (`div.highlight pre`) or table wider than its box; and every raster figure in the article was drawn by
-kvlab.plot (its PNG carries kvlab's text chunks), has no legend on its data and no colliding labels, and shows
+kvlab.book.plot (its PNG carries kvlab's text chunks), has no legend on its data and no colliding labels, and shows
 its smallest text at 11 CSS px or more: that text's points (from the chunks) x dpi / 72 (pHYs) x the width the
 page shows the image / its natural width. A second pass at a 412 px phone window asks for 9 CSS px (figures
 keep a minimum width there and scroll: _ext/static/kvlab_figures.css). SVG diagrams have their own test
@@ -23,7 +23,7 @@ from urllib.parse import unquote, urlsplit
 import pytest
 from chromium import ROOT, SCREENSHOTS, browser
 
-from kvlab import plot
+from kvlab.book import plot
 
 HTML = Path(os.environ.get("KVLAB_BOOK_HTML", ROOT / "_build" / "html")).resolve()  # the built book
 VIEWPORT = {"width": 1280, "height": 900}  # a laptop screen; the book's column is what it is at this width
@@ -143,7 +143,7 @@ def figure_problems(figure: dict, window_width: int) -> list[str]:
     """What is wrong with one raster figure as a window `window_width` px wide shows it.
 
     `figure` is what the page reports: its `src` (a file:// URL), `natural` width in image px and `shown` width
-    in CSS px. The text size needs the chunks kvlab.plot writes; the overlaps they record do not depend on the
+    in CSS px. The text size needs the chunks kvlab.book.plot writes; the overlaps they record do not depend on the
     window, so they are reported at the laptop width only."""
     parts = urlsplit(figure["src"])
     image = Path(unquote(parts.path)).name
@@ -156,7 +156,7 @@ def figure_problems(figure: dict, window_width: int) -> list[str]:
     laptop = window_width >= VIEWPORT["width"]
     if found is None:
         return (
-            [f"{image}: no kvlab chunks, so not drawn by kvlab.plot: make it with plot.figure()"]
+            [f"{image}: no kvlab chunks, so not drawn by kvlab.book.plot: make it with plot.figure()"]
             if laptop
             else []
         )

@@ -1,5 +1,5 @@
 """The book's diagrams as a reader sees them (`make browser`, after `make book`): every diagram of
-`kvlab.diagrams.DIAGRAMS` is shown on its chapter page, loads, and its smallest text renders at 11 CSS px or more
+`kvlab.book.diagrams.DIAGRAMS` is shown on its chapter page, loads, and its smallest text renders at 11 CSS px or more
 in a 1280-px window and at 9 px or more in a 412-px (phone) window.
 
 The rendered size of an SVG's text is its font size in the SVG's user units times the image's shown width over
@@ -16,7 +16,7 @@ from urllib.parse import unquote, urlsplit
 import pytest
 from chromium import ROOT, browser
 
-from kvlab.diagrams import DIAGRAMS
+from kvlab.book.diagrams import DIAGRAMS
 
 HTML = Path(os.environ.get("KVLAB_BOOK_HTML", ROOT / "_build" / "html")).resolve()
 # (window width, smallest text in CSS px): a laptop, where the column is 688 px, and a phone.

@@ -1,4 +1,4 @@
-"""`make diagrams`: every diagram of `kvlab.diagrams.DIAGRAMS` written to book/diagrams/<name>.svg.
+"""`make diagrams`: every diagram of `kvlab.book.diagrams.DIAGRAMS` written to book/diagrams/<name>.svg.
 
 Each is drawn from kvlab's own state (a registry config, a memory budget, a block manager, two engine runs, a
 tensor-parallel plan); the SVGs are byte-for-byte reproducible, and tests/test_diagrams.py checks that the
@@ -8,7 +8,7 @@ committed ones equal a fresh run. `--out DIR` writes them elsewhere.
 import argparse
 from pathlib import Path
 
-from kvlab.diagrams import DIAGRAMS, save_svg
+from kvlab.book.diagrams import DIAGRAMS, save_svg
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "book" / "diagrams"

@@ -25,7 +25,7 @@ MAX_MEAN_CHARS = 40
 MAX_SENTENCE_CHARS = 100
 HANZI = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 # A sentence ends at a full stop, question or exclamation mark (full-width or not), with any closing quote or
-# bracket that follows; a Latin full stop only when a space or the end follows (not 1.5 or kvlab.budget).
+# bracket that follows; a Latin full stop only when a space or the end follows (not 1.5 or kvlab.costs.budget).
 _END = re.compile(r"(?<=[。！？!?])[」』”’）)]*|(?<=\.)(?=\s|$)")
 
 
@@ -63,12 +63,12 @@ def main() -> int:
 
 
 def test_sentences_end_at_chinese_stops_and_count_hanzi_only():
-    text = "缓存只存 K 和 V。每个 token 128 KiB！为什么？见 kvlab.budget 和 1.5 GiB。"
+    text = "缓存只存 K 和 V。每个 token 128 KiB！为什么？见 kvlab.costs.budget 和 1.5 GiB。"
     assert sentences(text) == [
         "缓存只存 K 和 V。",
         "每个 token 128 KiB！",
         "为什么？",
-        "见 kvlab.budget 和 1.5 GiB。",
+        "见 kvlab.costs.budget 和 1.5 GiB。",
     ]
     assert hanzi("每个 token 128 KiB，KV Cache 的显存") == 5
     assert sentences("$ vllm serve model") == []

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvlab.sweep import Sweep, run_sweep
+from kvlab.book.sweep import Sweep, run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 

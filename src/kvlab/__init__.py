@@ -1,7 +1,10 @@
 """kvlab: measure why the KV cache fills GPU memory during LLM inference, and what helps.
 
-Modules map to book chapters: `arch` and `sizing` (sizing the cache), `models` and `measure` (what the cache
-holds), `hardware` (spec sheets), `plot` (one figure style), `cli` (`kvlab size ...`).
+Packages, from the bottom layer up (docs/modules.md maps every module to its chapters):
+`specs` (architectures, sizing, GPUs, vLLM's defaults: chapters 2, 4), `models` (tiny and real transformers
+models), `costs` (memory budget, roofline: chapters 3-6), `engine` (the paged engine: chapters 5-9), `offload`
+(chapter 12), `planning` (simulator, `kvlab plan`, `kvlab diagnose`: chapters 14, 15), `experiments` (the
+chapters' measurements on real models: 1, 3, 4, 8-11, 13) and `book` (figures, tables, sweeps, GPU runs).
 
 `kvlab.env_report` and `kvlab.pick_device` load `kvlab.env` (and torch) on first use, so that `import kvlab`
 and `kvlab --help` do not import torch.

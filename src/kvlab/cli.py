@@ -2,7 +2,7 @@
 in one line; with `--tp`/`--pp`, what ONE GPU holds (chapter *Many GPUs*).
 
 `kvlab plan MODEL --gpu H100-SXM --context 8k --ttft 500ms --itl 50ms --rate 4/s`: a capacity plan against
-latency targets (`kvlab.plan`, chapter *Capacity planning*)."""
+latency targets (`kvlab.planning.plan`, chapter *Capacity planning*)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvlab import arch, budget, hardware, shape, sizing, sweep
+from kvlab.book import sweep
+from kvlab.costs import budget
+from kvlab.specs import arch, hardware, shape, sizing
 from kvlab.units import format_bytes, format_tokens, parse_tokens
 
 if TYPE_CHECKING:
@@ -136,12 +138,12 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-dtype", default="bf16", choices=budget.DTYPES)
     p.add_argument("--kv-dtype", default="bf16", choices=budget.DTYPES)
     p.add_argument(
-        "--max-num-seqs", type=_positive_int, help="default: vLLM's for the GPU (kvlab.vllm_defaults)"
+        "--max-num-seqs", type=_positive_int, help="default: vLLM's for the GPU (kvlab.specs.vllm_defaults)"
     )
     p.add_argument(
         "--max-num-batched-tokens",
         type=_positive_int,
-        help="default: vLLM's for the GPU (kvlab.vllm_defaults)",
+        help="default: vLLM's for the GPU (kvlab.specs.vllm_defaults)",
     )
     p.add_argument("--usage-context", choices=["serve", "llm"], help="vllm serve (default) or the LLM class")
     p.add_argument("--block-size", type=_positive_int, default=budget.BLOCK_SIZE)
@@ -150,11 +152,11 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def plan_report(args: argparse.Namespace) -> str:
-    """The text `kvlab plan` prints (`kvlab.plan.plan`)."""
+    """The text `kvlab plan` prints (`kvlab.planning.plan.plan`)."""
     # An unknown model is one line before the planner (and torch) loads.
     shape.prepare(args.model)
-    from kvlab import plan
-    from kvlab.workloads import Workload
+    from kvlab.costs.workloads import Workload
+    from kvlab.planning import plan
 
     targets = plan.Targets(args.ttft, args.itl, args.e2el, args.percentile)
     workload = Workload(
@@ -221,7 +223,7 @@ def size_report(
     engine: str = "vllm",
     mem_fraction_static: float | None = None,
 ) -> str:
-    """The text `kvlab size` prints; with `gpu`, the memory budget line by line (`kvlab.budget`).
+    """The text `kvlab size` prints; with `gpu`, the memory budget line by line (`kvlab.costs.budget`).
 
     With `per_gpu` (a parallel plan: `--tp` and/or `--pp` given) every figure is what ONE GPU of the largest
     stage holds, and a plan whose budget does not fit the GPU is an error naming the smallest tensor-parallel
@@ -229,7 +231,7 @@ def size_report(
     """
     s = settings or budget.BudgetSettings()
     tp, pp = s.tp, s.pp
-    # A registry name stays a name: its stored shape sizes it without torch or transformers (kvlab.shape).
+    # A registry name stays a name: its stored shape sizes it without torch or transformers (kvlab.specs.shape).
     config = shape.prepare(model)
     spec = shape.shape(config).spec
     sizing.check_parallel(spec, tp, pp)
@@ -277,8 +279,8 @@ def _sglang_lines(
     batch: int,
     mem_fraction_static: float | None,
 ) -> list[str]:
-    """SGLang's pool on `gpu` at the settings' dtypes and parallel sizes (`kvlab.sglang`)."""
-    from kvlab import sglang
+    """SGLang's pool on `gpu` at the settings' dtypes and parallel sizes (`kvlab.costs.sglang`)."""
+    from kvlab.costs import sglang
 
     pool = sglang.sglang_pool(
         config,
@@ -363,7 +365,7 @@ def _add_size_arguments(size: argparse.ArgumentParser) -> None:
         "--engine",
         choices=["vllm", "sglang"],
         default="vllm",
-        help="whose pool --gpu sizes: vLLM's budget, or SGLang's static fraction (kvlab.sglang)",
+        help="whose pool --gpu sizes: vLLM's budget, or SGLang's static fraction (kvlab.costs.sglang)",
     )
     size.add_argument(
         "--mem-fraction-static",
@@ -381,7 +383,7 @@ def _add_explain_vllm_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_diagnose_arguments(p: argparse.ArgumentParser) -> None:
-    from kvlab import diagnose
+    from kvlab.planning import diagnose
 
     diagnose.add_arguments(p)
 
@@ -390,7 +392,10 @@ def _add_diagnose_arguments(p: argparse.ArgumentParser) -> None:
 # arguments, so `kvlab --help` imports nothing a subcommand needs.
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "size": ("KV cache and weight bytes for a model, context and batch", _add_size_arguments),
-    "plan": ("capacity plan against latency targets (modelled: kvlab.simulate)", _add_plan_arguments),
+    "plan": (
+        "capacity plan against latency targets (modelled: kvlab.planning.simulate)",
+        _add_plan_arguments,
+    ),
     "diagnose": ("which KV-cache lever applies first to a workload, and why", _add_diagnose_arguments),
     "explain-vllm": (
         "a vLLM start-up log's memory budget, term by term, beside kvlab's",
@@ -422,11 +427,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "models":
             print("\n".join(arch.registry()))
         elif args.command == "diagnose":
-            from kvlab import diagnose
+            from kvlab.planning import diagnose
 
             print(diagnose.diagnose(diagnose.deployment_from_args(args)).report())
         elif args.command == "explain-vllm":
-            from kvlab import explain_vllm
+            from kvlab.planning import explain_vllm
 
             total = None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * 2**30)
             print(explain_vllm.main(args.logfile, args.model, total))

@@ -2,9 +2,9 @@
 
 `quantize_int8` / `quantize_fp8` turn the last dimension of a tensor (a head's `head_dim` channels) into one-byte
 codes and one fp16 scale per row; `dequantize_*` reverse them. `pool_format(kv_cache_dtype)` names the format an
-engine pool stores (`EngineConfig(kv_cache_dtype=...)`, read by `kvlab.paging.KVPool`): vLLM's
+engine pool stores (`EngineConfig(kv_cache_dtype=...)`, read by `kvlab.engine.kv_pool.KVPool`): vLLM's
 `--kv-cache-dtype` names, with the bytes one token of one head takes. The transformers cache layers built on the
-same quantizers, and their accuracy, live in `kvlab.quant`. This module imports nothing from kvlab, so that the
+same quantizers, and their accuracy, live in `kvlab.experiments.quant`. This module imports nothing from kvlab, so that the
 pool, the engine's configuration and the measurements can all depend on it.
 """
 

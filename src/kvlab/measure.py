@@ -129,8 +129,8 @@ def module_kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype | None 
     Each module with `k_proj` and `v_proj` linear layers writes `k_proj.out_features` key and
     `v_proj.out_features` value elements per token (kv_heads × head_dim each); their sum over all such modules,
     times the element size (`dtype`, else the K projection's weight dtype), is what a cache of every layer must
-    store per token. Nothing here reads the config or `kvlab.arch`, so it is an independent expectation for the
-    engine's pool, whose shape comes from `kvlab.arch.describe`.
+    store per token. Nothing here reads the config or `kvlab.specs.arch`, so it is an independent expectation for the
+    engine's pool, whose shape comes from `kvlab.specs.arch.describe`.
     """
     total = 0
     for name, module in model.named_modules():

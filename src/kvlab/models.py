@@ -181,7 +181,7 @@ def scaled_down(
     MHA/GQA/MQA/MLA stays what it is (GQA keeps 4 query heads per KV head, or the model's own ratio if smaller),
     sliding layers keep their place in the pattern with a `window`-token window, MLA keeps a latent.
     """
-    from kvlab.arch import describe, get
+    from kvlab.specs.arch import describe, get
 
     config = get(name)
     text = config.get_text_config(decoder=True)
@@ -207,7 +207,7 @@ def equal_param_configs(family: str, kv_heads_options: list[int], **knobs: Any) 
     Fewer KV heads shrink the K and V projections; the freed parameters go to the MLP, so the comparison is at
     equal model size, as in the grouped-query attention paper (Ainslie et al., 2023, arXiv:2305.13245).
     """
-    from kvlab.sizing import param_count
+    from kvlab.specs.sizing import param_count
 
     hidden = knobs.get("hidden", 64)
     base = knobs.pop("intermediate", None) or 2 * hidden

@@ -23,7 +23,7 @@ from kvlab import claims
 from kvlab.checks import check_count
 from kvlab.offload.cache import TIERS, DiskLayer, OffloadedCache
 from kvlab.offload.loop import OffloadTiming, random_prompt, time_offload
-from kvlab.sizing import DType, kv_cache_bytes
+from kvlab.specs.sizing import DType, kv_cache_bytes
 
 _HOPS = {"disk": "disk read", "ram": "reorder (RAM copy)", "h2d": "host → device"}
 

@@ -18,13 +18,15 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import DynamicCache
 
-from kvlab import claims, hardware, roofline
+from kvlab import claims
 from kvlab.checks import check_count
+from kvlab.costs import roofline
 from kvlab.measure import time_call
 from kvlab.offload.direct_io import scratch_dir
 from kvlab.offload.saved_kv import SavedKV, load_kv, save_kv
 from kvlab.offload.tiers import Link, link
-from kvlab.sizing import DType
+from kvlab.specs import hardware
+from kvlab.specs.sizing import DType
 
 
 @dataclass(frozen=True)

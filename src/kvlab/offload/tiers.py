@@ -1,9 +1,9 @@
 """Memory tiers beyond GPU memory: the links KV bytes travel over, from datasheets, and what each tier delivers here.
 
-`LINKS` holds each path's datasheet or standard rate (PCIe from `kvlab.hardware`'s table, NVMe drives, networks);
+`LINKS` holds each path's datasheet or standard rate (PCIe from `kvlab.specs.hardware`'s table, NVMe drives, networks);
 `link` finds one by name. `measure_tiers` measures every tier this machine has: GPU memory (a device-to-device
 copy) and the host link in both directions from pinned and from pageable host memory (GPU only; both measured by
-`kvlab.hardware`'s probes), a RAM copy, and reads from local disk. Every figure is payload bytes over seconds,
+`kvlab.specs.hardware`'s probes), a RAM copy, and reads from local disk. Every figure is payload bytes over seconds,
 best of `repeat`, with every sample kept so that a lab can derive its tolerance from the spread
 (`TierBandwidth`). The disk is read with `O_DIRECT` into page-aligned buffers (`kvlab.offload.direct_io`), so
 the page cache cannot answer from RAM; where the filesystem refuses `O_DIRECT` (tmpfs), the file's pages are
@@ -26,10 +26,10 @@ from statistics import median
 
 import torch
 
-from kvlab import hardware
 from kvlab.checks import check_count
 from kvlab.env import device_name, pick_device
 from kvlab.offload.direct_io import ALIGN, aligned_buffer, drop_page_cache, open_direct, scratch_dir
+from kvlab.specs import hardware
 
 MiB = 2**20
 GB = 10**9
@@ -61,13 +61,13 @@ LINKS: dict[str, Link] = {
         Link(
             "PCIe Gen4 x16",
             hardware.PCIE_X16_BYTES_PER_S[4],
-            "PCI-SIG PCIe 4.0: 16 GT/s x16, ~31.5 GB/s per direction (kvlab.hardware)",
+            "PCI-SIG PCIe 4.0: 16 GT/s x16, ~31.5 GB/s per direction (kvlab.specs.hardware)",
             "PCIe 4",
         ),
         Link(
             "PCIe Gen5 x16",
             hardware.PCIE_X16_BYTES_PER_S[5],
-            "PCI-SIG PCIe 5.0: 32 GT/s x16, ~63 GB/s per direction (kvlab.hardware)",
+            "PCI-SIG PCIe 5.0: 32 GT/s x16, ~63 GB/s per direction (kvlab.specs.hardware)",
             "PCIe 5",
         ),
         Link(

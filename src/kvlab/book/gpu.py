@@ -1,0 +1,220 @@
+"""`make gpu`: every lab at its GPU sizes, results kept as data under book/results/<gpu>/.
+
+The GPU-sized parameters of every lab live in one file, book/gpu_params.yaml (chapter folder -> parameters).
+`run_labs` executes each lab with papermill at those values and writes, per lab, into book/results/<gpu>/:
+
+- <chapter>.ipynb: the executed notebook;
+- <chapter>.json: its glued scalars (read by `kvlab.book.sweep.glued_scalars`, the one reader of glue), its
+  parameters, status and error, seconds, and the provenance: GPU name, driver, CUDA, torch, transformers, kvlab
+  version and commit, date (`kvlab.env.env_report`).
+
+`kvlab.book.report.gpu_results_table(chapter)` shows a chapter's recorded GPU values beside its CPU figures.
+
+    python -m kvlab.book.gpu [--params book/gpu_params.yaml] [--out book/results] [--labs 01_cache_contents,...]
+
+KVLAB_GPU_STUB=cpu runs the same steps with the GPU hidden (CUDA_VISIBLE_DEVICES=""), for a dry run on a machine
+without one; its results go under `cpu-stub`, never under a GPU's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvlab.book.sweep import (
+    SweepError,
+    _atomic_write,
+    _jsonable,
+    _one_line,
+    _require,
+    glued_scalars,
+    notebook_parameters,
+)
+
+STUB_ENV = "KVLAB_GPU_STUB"
+# In book/gpu_params.yaml, a chapter's values for the CPU dry run (see `load_params`).
+STUB_KEY = "cpu_stub"
+RESULTS = Path("book") / "results"
+PARAMS = Path("book") / "gpu_params.yaml"
+
+
+def stubbed() -> bool:
+    value = os.environ.get(STUB_ENV, "")
+    if value not in ("", "cpu"):
+        raise SweepError(f"{STUB_ENV} must be 'cpu' or unset, got {value!r}")
+    return value == "cpu"
+
+
+def slug(name: str) -> str:
+    """A folder name for a device: 'NVIDIA H200' -> 'nvidia-h200'."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
+
+
+def load_params(path: Path, book: Path, stub: bool = False) -> dict[str, dict[str, Any]]:
+    """Chapter folder -> GPU-sized parameters, each name checked against that lab's `parameters` cell.
+
+    A chapter's `cpu_stub` mapping holds the values that replace GPU sizes a CPU cannot run in minutes; a dry run
+    (`stub`, KVLAB_GPU_STUB=cpu) applies them over the GPU values, so every other GPU value and every assert runs
+    on the CPU as it will on the GPU. A GPU run ignores them."""
+    yaml = _require("yaml")
+    if not path.is_file():
+        raise SweepError(f"no such parameters file: {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise SweepError(f"{path} must map chapter folders to parameters, got {type(data).__name__}")
+    params: dict[str, dict[str, Any]] = {}
+    for chapter, values in data.items():
+        lab = book / str(chapter) / "lab.ipynb"
+        if not lab.is_file():
+            raise SweepError(f"{path}: no lab for chapter {chapter!r} (expected {lab})")
+        values = values or {}
+        if not isinstance(values, dict) or not isinstance(values.get(STUB_KEY) or {}, dict):
+            raise SweepError(f"{path}: chapter {chapter!r} needs a mapping of parameters")
+        values = dict(values)
+        overrides = values.pop(STUB_KEY, None) or {}
+        known = notebook_parameters(lab)
+        unknown = sorted((set(values) | set(overrides)) - set(known))
+        if unknown:
+            raise SweepError(
+                f"{path}: chapter {chapter!r} has no parameter {', '.join(map(repr, unknown))}; "
+                f"its parameters are: {', '.join(known)}"
+            )
+        values = values | overrides if stub else values
+        params[str(chapter)] = values
+    return params
+
+
+def kvlab_commit(root: Path) -> str:
+    """The git commit of the kvlab tree the labs ran from (with '+dirty' for uncommitted changes), or 'unknown'."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "src"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def provenance(root: Path) -> dict[str, str]:
+    """What a reader needs to trust a recorded number: device, driver, CUDA, library versions, commit, date."""
+    from kvlab.env import env_report, pick_device
+
+    device = "cpu" if stubbed() else pick_device()
+    report = env_report(device)
+    report["kvlab_commit"] = kvlab_commit(root)
+    report["stub"] = "cpu" if stubbed() else ""
+    return report
+
+
+def run_labs(
+    params_file: Path,
+    out: Path,
+    *,
+    root: Path,
+    chapters: list[str] | None = None,
+    kernel: str | None = None,
+) -> list[dict[str, Any]]:
+    """Run each chosen lab at its parameters; returns the per-lab records (also written as JSON)."""
+    papermill = _require("papermill")
+    book = root / "book"
+    params = load_params(params_file, book, stub=stubbed())
+    labs = sorted(p.parent.name for p in book.glob("*/lab.ipynb"))
+    chosen = chapters or labs  # a lab the file does not list runs at its defaults
+    unknown = [c for c in chosen if c not in labs]
+    if unknown:
+        raise SweepError(f"no lab for chapter(s) {', '.join(unknown)}; the labs are: {', '.join(labs)}")
+    if stubbed():
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the kernels papermill starts inherit it
+    elif not _cuda_available():
+        raise SweepError(f"no GPU visible; for a dry run on CPU set {STUB_ENV}=cpu")
+    prov = provenance(root)
+    folder = out / ("cpu-stub" if stubbed() else slug(prov["device"]))
+    folder.mkdir(parents=True, exist_ok=True)
+    records = []
+    for chapter in chosen:
+        lab = book / chapter / "lab.ipynb"
+        executed = folder / f"{chapter}.ipynb"
+        values = params.get(chapter, {})
+        record: dict[str, Any] = {"chapter": chapter, "parameters": values, "provenance": prov}
+        start = time.perf_counter()
+        try:
+            papermill.execute_notebook(
+                str(lab),
+                str(executed),
+                parameters=values,
+                cwd=str(lab.parent),
+                kernel_name=kernel,
+                progress_bar=False,
+            )
+        except Exception as err:
+            record |= {"status": "failed", "error": _one_line(err), "values": {}}
+        else:
+            record |= {"status": "ok", "error": "", "values": glued_scalars(executed)}
+        record["seconds"] = round(time.perf_counter() - start, 1)
+        record = _jsonable(record)
+        _atomic_write(folder / f"{chapter}.json", json.dumps(record, indent=1) + "\n")
+        print(
+            f"{chapter}: {record['status']} in {record['seconds']} s {record['error']}".rstrip(), flush=True
+        )
+        records.append(record)
+    return records
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvlab.book.gpu", description="Every lab at its GPU sizes."
+    )
+    parser.add_argument("--root", type=Path, default=Path.cwd(), help="the repository (holds book/)")
+    parser.add_argument("--params", type=Path, default=None, help=f"default: ROOT/{PARAMS}")
+    parser.add_argument("--out", type=Path, default=None, help=f"default: ROOT/{RESULTS}")
+    parser.add_argument(
+        "--labs", default="", help="comma-separated chapter folders (default: all in --params)"
+    )
+    parser.add_argument("--kernel", default=None)
+    args = parser.parse_args(argv)
+    root = args.root.resolve()
+    try:
+        records = run_labs(
+            args.params or root / PARAMS,
+            args.out or root / RESULTS,
+            root=root,
+            chapters=[c.strip() for c in args.labs.split(",") if c.strip()] or None,
+            kernel=args.kernel,
+        )
+    except SweepError as err:
+        print(f"kvlab.book.gpu: {err}", file=sys.stderr)
+        return 2
+    failed = [r["chapter"] for r in records if r["status"] != "ok"]
+    print(
+        f"{len(records) - len(failed)}/{len(records)} labs ok"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

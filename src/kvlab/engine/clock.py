@@ -1,0 +1,78 @@
+"""The engine's clock: real wall time, the process's CPU time, or a virtual clock that replays a trace
+deterministically and fast.
+
+`WallClock` reads `time.perf_counter` and sleeps until the next arrival. `WallClock(cpu=True)` reads the process's
+CPU time (`time.process_time`) and jumps over a wait instead of sleeping: the engine's own work is measured, the
+time slices other processes take on a shared machine and a sleep's oversleep are not (what
+`kvlab.planning.simulate.record_engine_steps` calibrates on). The virtual clock charges each step a modelled duration
+instead of measuring it, so the same seed gives the same timeline on any machine, and waiting for the next
+arrival costs nothing. Its default cost model is a toy with the right shape for a decoder on a GPU: a fixed
+per-step cost (weights read once per step), plus a cost per scheduled token (compute) and per context token read
+(KV cache traffic); set the constants for another regime, or run the engine on a runner that models the step
+itself (`kvlab.engine.cost_runner.CostRunner`, the simulator's), whose `seconds` the clock then charges.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+
+    def step_done(self, num_batched_tokens: int, num_context_tokens: int, seconds: float | None) -> None: ...
+
+    def wait_until(self, t: float) -> None: ...
+
+
+class WallClock:
+    """Seconds since the engine started: wall time (`time.perf_counter`), or with `cpu=True` the process's CPU
+    time (`time.process_time`), where a wait for the next arrival jumps the clock forward instead of sleeping."""
+
+    def __init__(self, cpu: bool = False) -> None:
+        self._read = time.process_time if cpu else time.perf_counter
+        self._cpu = cpu
+        self._offset = -self._read()
+
+    def now(self) -> float:
+        return self._read() + self._offset
+
+    def step_done(self, num_batched_tokens: int, num_context_tokens: int, seconds: float | None) -> None:
+        # The step's real duration has already passed.
+        pass
+
+    def wait_until(self, t: float) -> None:
+        if self._cpu:
+            self._offset += max(0.0, t - self.now())
+        else:
+            time.sleep(max(0.0, t - self.now()))
+
+
+@dataclass
+class VirtualClock:
+    """Time advances only by the modelled cost of each step, and jumps to the next arrival when idle.
+
+    A step's cost is the runner's `seconds` where the runner models it (a cost runner), else `step_seconds`."""
+
+    step_overhead_s: float = 10e-3
+    per_token_s: float = 50e-6
+    per_context_token_s: float = 1e-6
+    t: float = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def step_seconds(self, num_batched_tokens: int, num_context_tokens: int) -> float:
+        return (
+            self.step_overhead_s
+            + self.per_token_s * num_batched_tokens
+            + self.per_context_token_s * num_context_tokens
+        )
+
+    def step_done(self, num_batched_tokens: int, num_context_tokens: int, seconds: float | None) -> None:
+        self.t += self.step_seconds(num_batched_tokens, num_context_tokens) if seconds is None else seconds
+
+    def wait_until(self, t: float) -> None:
+        self.t = max(self.t, t)

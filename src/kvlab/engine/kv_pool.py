@@ -1,0 +1,491 @@
+"""Paged KV storage and the attention that reads through block tables.
+
+Every layer owns a pool of fixed-size blocks, `num_blocks × block_size × kv_heads × head_dim`, for K and for V. A
+sequence's cache is a list of block ids (its block table); token `i` of a sequence lives in block
+`table[i // block_size]` at offset `i % block_size`, i.e. in slot `block * block_size + offset` of the pool.
+
+How the model runs on it (the design of nano-vllm): all tokens a step schedules, from every sequence, are
+flattened into one batch row and passed with their `position_ids`. `paged_attention_forward` is registered with
+transformers' `AttentionInterface` as ``"kvlab_paged"``, and `enable_paged_attention` switches a model to it once,
+through transformers' public `set_attn_implementation`. Every attention layer then calls it with the layer's fresh
+Q, K and V (RoPE applied). It writes K and V into the layer's pool through the step's slot mapping, then attends
+each sequence's queries to its whole context read back through its block table. The per-step `PagedContext`
+(slot mapping, `DecodeGroup`s of one-token sequences and a list of `PrefillChunk`s) travels as a keyword argument
+of the model's forward, which transformers passes down to the attention function; `module.layer_idx` selects the
+layer's pool. The context carries the masks (causal within the context, plus a sliding window when the layer has
+one), so the mask transformers prepares is never built on that path. A call without a `PagedContext`
+(`model.generate`, a plain forward) runs transformers' own SDPA attention with that mask, so a model stays usable
+while and after an engine runs on it.
+
+What keeps it fast on a CPU: the block indices are built once per step and shared by all layers; each layer reads
+every block it needs with one `index_select` per K and V into a workspace reused across layers and steps (a fresh
+allocation per layer costs more than the copy); and a prefill chunk with nothing cached before it attends to the
+step's own K and V without reading the pool back at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvlab.kv_format import SCALE_DTYPE, pool_format
+from kvlab.specs.arch import describe
+from kvlab.specs.layers import SlidingWindowAttention
+
+ATTN_IMPLEMENTATION = "kvlab_paged"
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers whose caches share block tables: one attention kind (`window` None for full attention)."""
+
+    window: int | None
+    layers: tuple[int, ...]
+
+
+def kv_cache_groups(config: PretrainedConfig) -> list[KVCacheGroup]:
+    """The model's layers in KV-cache groups of equal size, as vLLM's hybrid KV cache manager forms them.
+
+    One group when every layer has the same attention kind (Llama: all full; Mistral: all one window). A hybrid
+    model (Gemma 3: five sliding layers to one full) is cut into groups of the smallest kind's layer count, so
+    that every group's block spans the same number of layers and all groups draw on one pool of equal blocks
+    (vLLM 0.33.0, `vllm/v1/core/kv_cache_planning.py`, `_get_kv_cache_groups_uniform_page_size`). Full groups
+    come first, then sliding groups by window.
+    """
+    by_kind: dict[int | None, list[int]] = {}
+    for i, layer in enumerate(describe(config).layers):
+        window = layer.window if isinstance(layer, SlidingWindowAttention) else None
+        by_kind.setdefault(window, []).append(i)
+    size = min(len(layers) for layers in by_kind.values())
+    groups = []
+    for window in sorted(by_kind, key=lambda w: (w is not None, w or 0)):
+        layers = by_kind[window]
+        groups += [KVCacheGroup(window, tuple(layers[i : i + size])) for i in range(0, len(layers), size)]
+    return groups
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What one block holds: `block_size` tokens of `kv_heads × head_dim` for K and again for V, in each of
+    `num_layers` layer rows. A block spans every layer, except in a hybrid model, where it spans one KV-cache
+    group's layers and `layer_rows` gives each model layer's row (its place in its group)."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    # None: layer i is row i
+    layer_rows: tuple[int, ...] | None = None
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> KVShape:
+        spec = describe(config)
+        if any(layer.kind not in ("full", "sliding") for layer in spec.layers):
+            raise ValueError(
+                f"{spec.model_type}: the paged cache supports per-head K/V layers only (not MLA)"
+            )
+        shapes = {(layer.kv_heads, layer.head_dim, layer.v_head_dim) for layer in spec.layers}  # type: ignore[attr-defined]
+        if len(shapes) != 1 or next(iter(shapes))[1] != next(iter(shapes))[2]:
+            raise ValueError(
+                f"{spec.model_type}: layers must share one K/V shape to share a pool, got {shapes}"
+            )
+        kv_heads, head_dim, _ = shapes.pop()
+        groups = kv_cache_groups(config)
+        if len(groups) == 1:
+            return cls(spec.num_layers, kv_heads, head_dim)
+        rows = [0] * spec.num_layers
+        for group in groups:
+            for row, layer in enumerate(group.layers):
+                rows[layer] = row
+        return cls(max(len(g.layers) for g in groups), kv_heads, head_dim, tuple(rows))
+
+    def row(self, layer_idx: int) -> int:
+        return layer_idx if self.layer_rows is None else self.layer_rows[layer_idx]
+
+
+class KVPool:
+    """The physical cache: one tensor `(layers, 2, num_blocks, block_size, kv_heads, head_dim)`, allocated once.
+
+    `kv_cache_dtype` (vLLM's name): ``"auto"`` stores K and V in `dtype`, the model's. ``"fp8"`` (e4m3) and
+    ``"int8"`` store `kv` as one byte per element and `scales`, one fp16 scale per token and head
+    `(layers, 2, num_blocks, block_size, kv_heads)`: `write` quantizes (`kvlab.kv_format.quantize_fp8` /
+    `quantize_int8`), `gather` dequantizes the blocks it reads into the workspace, in `dtype`.
+    """
+
+    def __init__(
+        self,
+        shape: KVShape,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        kv_cache_dtype: str = "auto",
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        self.shape, self.num_blocks, self.block_size = shape, num_blocks, block_size
+        self.format = pool_format(kv_cache_dtype)
+        # What attention reads: the model's dtype
+        self.dtype = dtype
+        dims = (shape.num_layers, 2, num_blocks, block_size, shape.kv_heads)
+        self.kv = torch.zeros(*dims, shape.head_dim, dtype=self.format.code_dtype or dtype, device=device)
+        self.scales: torch.Tensor | None = None
+        if self.format.quantized:
+            self.scales = torch.zeros(dims, dtype=SCALE_DTYPE, device=device)
+        # Where `gather` copies blocks to: (2, blocks, block_size * kv_heads * head_dim), grown on demand.
+        self.workspace = torch.empty(
+            2, 0, block_size * shape.kv_heads * shape.head_dim, dtype=dtype, device=device
+        )
+
+    @staticmethod
+    def bytes_per_token(shape: KVShape, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        """Bytes of one token slot: every layer row, K and V, each head's codes plus scale when quantized."""
+        per_head = pool_format(kv_cache_dtype).bytes_per_head_token(shape.head_dim, dtype)
+        return shape.num_layers * 2 * shape.kv_heads * per_head
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pool itself, scales included (not the gather workspace, which is activation memory)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors the pool holds: `kv`, and `scales` when quantized."""
+        return [self.kv] if self.scales is None else [self.kv, self.scales]
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V pools of one layer, each `(num_blocks, block_size, kv_heads, head_dim)` (codes when quantized)."""
+        row = self.shape.row(layer_idx)
+        return self.kv[row, 0], self.kv[row, 1]
+
+    def write(self, layer_idx: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store `(tokens, kv_heads, head_dim)` K and V at flat slot indices `block * block_size + offset`."""
+        row = self.shape.row(layer_idx)
+        for i, x in enumerate((key, value)):
+            pool = self.kv[row, i]
+            flat = pool.view(-1, *pool.shape[2:])
+            if self.scales is None:
+                flat.index_copy_(0, slots, x.to(pool.dtype))
+                continue
+            assert self.format.quantize is not None
+            codes, scale = self.format.quantize(x)
+            # index_copy_ has no float8 kernel on CPU: copy the codes as bytes.
+            flat.view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))
+            self.scales[row, i].view(-1, pool.shape[2]).index_copy_(0, slots, scale[..., 0])
+
+    def gather(self, layer_idx: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of these blocks as `(len(block_ids), block_size, kv_heads, head_dim)` each, in the model's dtype.
+
+        They are views of the workspace, valid until the next gather: one `index_select` per pool (a memcpy per
+        block), into memory that is already mapped, instead of a new allocation in every layer of every step. A
+        quantized pool's codes and scales are selected the same way, then dequantized into the workspace.
+        """
+        n = block_ids.numel()
+        if self.workspace.shape[1] < n:
+            self.workspace = self.workspace.new_empty(
+                2, max(n, 2 * self.workspace.shape[1]), self.workspace.shape[2]
+            )
+        row = self.shape.row(layer_idx)
+        out = []
+        for i, buffer in enumerate(self.workspace):
+            pool = self.kv[row, i]
+            if self.scales is None:
+                rows = torch.index_select(pool.view(pool.shape[0], -1), 0, block_ids, out=buffer[:n])
+            else:
+                codes = torch.index_select(pool.view(torch.uint8).view(pool.shape[0], -1), 0, block_ids)
+                scales = torch.index_select(self.scales[row, i].view(pool.shape[0], -1), 0, block_ids)
+                rows = buffer[:n]
+                rows.copy_(codes.view(pool.dtype))
+                rows.view(n, -1, pool.shape[-1]).mul_(scales.view(n, -1, 1))
+            out.append(rows.view(n, *pool.shape[1:]))
+        return out[0], out[1]
+
+
+def slots_for(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat pool slots of token positions `start..end-1` of a sequence with this block table."""
+    return [block_table[pos // block_size] * block_size + pos % block_size for pos in range(start, end)]
+
+
+def _causal_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Keys at or before each query, and within the last `window` positions if any (transformers' sliding window)."""
+    mask = key_pos <= query_pos
+    if window is not None:
+        mask &= key_pos > query_pos - window
+    return mask
+
+
+@dataclass
+class DecodeGroup:
+    """Sequences computing one token this step, attended in one padded SDPA call per layer.
+
+    A step's decode sequences are split into groups of similar context length, so that padding every row to the
+    longest context does not double the keys read (with mixed lengths about half of them were padding).
+    """
+
+    # Where their tokens sit in the step's flat batch (a slice when consecutive)
+    tokens: torch.Tensor | slice
+    # Their rows of the step's gather index: seqs × width, padding pointing at block 0
+    blocks: slice
+    # The longest context; keys past it are padding in every row
+    num_keys: int
+    # (seqs,): each sequence's context length
+    context_lens: torch.Tensor
+    # All contexts equally long: no mask needed without a window
+    uniform: bool
+    # Per window, built on first use
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """(seqs, 1, 1, keys): real keys at or before the query, within the window if any; None when all are."""
+        if window not in self.masks:
+            if self.uniform and (window is None or window >= self.num_keys):
+                # Lets SDPA take its unmasked (fastest) kernel
+                self.masks[window] = None
+            else:
+                key = torch.arange(self.num_keys, device=self.context_lens.device)[None, :]
+                self.masks[window] = _causal_mask((self.context_lens - 1)[:, None], key, window)[
+                    :, None, None
+                ]
+        return self.masks[window]
+
+
+# One more SDPA call costs about as much as padding this many block rows
+GROUP_COST_BLOCKS = 8
+
+
+def split_by_width(widths: list[int], group_cost: int = GROUP_COST_BLOCKS) -> list[int]:
+    """Cut points of `widths` (sorted longest first) into groups, minimising padded rows + `group_cost` per group.
+
+    Returns the end index of each group. Dynamic programming over the cut points: a group `[i, j)` costs
+    `(j - i) * widths[i] + group_cost`.
+    """
+    n = len(widths)
+    best = [0] + [0] * n
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        best[j], cut[j] = min((best[i] + (j - i) * widths[i] + group_cost, i) for i in range(j))
+    ends = []
+    while n:
+        ends.append(n)
+        n = cut[n]
+    return ends[::-1]
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence computing several tokens: the last `query_len` tokens of its `context_len`-token context."""
+
+    # Its first token in the step's flat batch
+    start: int
+    query_len: int
+    context_len: int
+    # Its rows of the step's gather index; None when nothing is cached before the chunk
+    blocks: slice | None
+    # Per window, built on first use
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.query_len
+
+    def mask(self, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """(1, 1, queries, keys) causal mask; None for a plain causal chunk (SDPA's `is_causal` does it)."""
+        if window not in self.masks:
+            if self.blocks is None and (window is None or window >= self.context_len):
+                self.masks[window] = None
+            else:
+                query = torch.arange(self.context_len - self.query_len, self.context_len, device=device)[
+                    :, None
+                ]
+                key = torch.arange(self.context_len, device=device)[None, :]
+                self.masks[window] = _causal_mask(query, key, window)[None, None]
+        return self.masks[window]
+
+
+@dataclass
+class PagedContext:
+    """What one forward step needs to read and write the pool; built once per step, shared by all layers.
+
+    The step's tokens are flat: sequence `i` owns `query_lens[i]` consecutive tokens, the last of its context of
+    `context_lens[i]` tokens (context includes them). One-token sequences form the `decodes` groups; the others are
+    `prefills`, attended one call each. `block_ids` lists every block any layer reads this step, decode rows first.
+    """
+
+    pool: KVPool
+    # (tokens,) flat slot of each scheduled token
+    slot_mapping: torch.Tensor
+    # (blocks,) what each layer gathers, built once per step
+    block_ids: torch.Tensor
+    decodes: list[DecodeGroup]
+    prefills: list[PrefillChunk]
+    # Hybrid models: each layer's group's context (own block tables)
+    by_layer: list[PagedContext] | None = None
+
+    @classmethod
+    def build(
+        cls,
+        pool: KVPool,
+        slot_mapping: torch.Tensor,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+    ) -> PagedContext:
+        """Group a step's sequences (in flat-batch order) into decode groups and prefill chunks."""
+        device = slot_mapping.device
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        decode = sorted((i for i, q in enumerate(query_lens) if q == 1), key=lambda i: -len(block_tables[i]))
+        block_ids: list[int] = []
+        groups = []
+        begin = 0
+        for end in split_by_width([len(block_tables[i]) for i in decode]):
+            members = decode[begin:end]
+            width, first = len(block_tables[members[0]]), len(block_ids)
+            # Padding entries point at block 0; the key mask hides them
+            for i in members:
+                block_ids += block_tables[i] + [0] * (width - len(block_tables[i]))
+            lens = [context_lens[i] for i in members]
+            tokens = [starts[i] for i in members]
+            consecutive = tokens == list(range(tokens[0], tokens[0] + len(tokens)))
+            groups.append(
+                DecodeGroup(
+                    tokens=slice(tokens[0], tokens[-1] + 1)
+                    if consecutive
+                    else torch.tensor(tokens, device=device),
+                    blocks=slice(first, len(block_ids)),
+                    num_keys=max(lens),
+                    context_lens=torch.tensor(lens, device=device),
+                    uniform=min(lens) == max(lens),
+                )
+            )
+            begin = end
+        prefills = []
+        for i, q in enumerate(query_lens):
+            if q == 1:
+                continue
+            rows = None
+            # Earlier tokens are only in the pool
+            if context_lens[i] > q:
+                rows = slice(len(block_ids), len(block_ids) + len(block_tables[i]))
+                block_ids += block_tables[i]
+            prefills.append(PrefillChunk(starts[i], q, context_lens[i], rows))
+        ids = torch.tensor(block_ids, dtype=torch.long, device=device)
+        return cls(pool, slot_mapping, ids, groups, prefills)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    paged_context: PagedContext | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention for transformers' `AttentionInterface`: write this step's K/V to the pool, attend through it.
+
+    `query` is `(1, heads, tokens, head_dim)`, `key`/`value` `(1, kv_heads, tokens, head_dim)`; returns
+    `(1, tokens, heads, head_dim)` as every transformers attention function does. Without a `PagedContext` it is
+    transformers' SDPA attention, with the mask transformers prepared.
+    """
+    if paged_context is None:
+        mask = attention_mask.build() if isinstance(attention_mask, DeferredMask) else attention_mask
+        return sdpa_attention_forward(
+            module, query, key, value, mask, dropout=dropout, scaling=scaling, sliding_window=sliding_window,
+            softcap=softcap, **kwargs,
+        )  # fmt: skip
+    if softcap is not None:
+        raise NotImplementedError("logit soft-capping (Gemma 2) is not supported by the paged attention")
+    ctx, layer = paged_context, int(module.layer_idx)  # type: ignore[arg-type]
+    if ctx.by_layer is not None:
+        ctx = ctx.by_layer[layer]
+    # (tokens, heads, head_dim)
+    q = query[0].transpose(0, 1)
+    ctx.pool.write(layer, ctx.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    gqa = query.shape[1] != key.shape[1]
+    k_blocks, v_blocks = ctx.pool.gather(layer, ctx.block_ids) if len(ctx.block_ids) else (None, None)
+    whole = len(ctx.decodes) == 1 and not ctx.prefills and isinstance(ctx.decodes[0].tokens, slice)
+    # A step of decodes only returns the group's output as is
+    out = None if whole else torch.empty_like(q)
+    for group in ctx.decodes:
+        assert k_blocks is not None and v_blocks is not None
+        # (seqs, kv_heads, keys, head_dim), views of the gathered blocks
+        k, v = (
+            b[group.blocks].view(group.num_seqs, -1, *b.shape[2:])[:, : group.num_keys].transpose(1, 2)
+            for b in (k_blocks, v_blocks)
+        )
+        o = F.scaled_dot_product_attention(
+            q[group.tokens][:, :, None, :], k, v, attn_mask=group.mask(sliding_window),
+            scale=scaling, enable_gqa=gqa,
+        )[:, :, 0, :]  # fmt: skip
+        if out is None:
+            return o.to(query.dtype)[None], None
+        out[group.tokens] = o.to(out.dtype)
+    assert out is not None
+    for chunk in ctx.prefills:
+        # Nothing cached before it: its K/V are this step's
+        if chunk.blocks is None:
+            k, v = key[:, :, chunk.start : chunk.end], value[:, :, chunk.start : chunk.end]
+        else:
+            assert k_blocks is not None and v_blocks is not None
+            k, v = (
+                b[chunk.blocks].flatten(0, 1)[: chunk.context_len].transpose(0, 1)[None]
+                for b in (k_blocks, v_blocks)
+            )
+        mask = chunk.mask(sliding_window, q.device)
+        o = F.scaled_dot_product_attention(
+            q[chunk.start : chunk.end].transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=mask is None,
+            scale=scaling, enable_gqa=gqa,
+        )  # fmt: skip
+        out[chunk.start : chunk.end] = o[0].transpose(0, 1).to(out.dtype)
+    return out[None], None
+
+
+class DeferredMask:
+    """The arguments of transformers' SDPA mask, built only if a layer runs without a `PagedContext`.
+
+    Registered as the ``"kvlab_paged"`` mask function, so a plain call (`model.generate`) gets the mask SDPA would,
+    while an engine step, whose masks the `PagedContext` carries, never pays for one over its flat batch.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+        self.mask: torch.Tensor | None = None
+        self.built = False
+
+    def build(self) -> torch.Tensor | None:
+        # Once per forward, not once per layer
+        if not self.built:
+            self.mask, self.built = sdpa_mask(**self.kwargs), True
+        return self.mask
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, DeferredMask)
+
+
+def enable_paged_attention(model: PreTrainedModel) -> None:
+    """Switch the model's attention to `paged_attention_forward`, once, with transformers' public switch.
+
+    Idempotent; calls without a `PagedContext` keep transformers' SDPA behaviour, so nothing needs restoring.
+    """
+    # transformers 5.24 has no public getter for the current implementation; the config attribute is what it reads.
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise ValueError(
+            f"{type(model).__name__} cannot switch its attention implementation (see the warning above)"
+        )

@@ -1,0 +1,295 @@
+"""`ModelRunner`: the KV pool, its sizing, and one forward pass plus sampling per engine step (nano-vllm's split).
+
+The engine hands it a `ScheduledBatch`; it flattens the batch's tokens into one row with their positions and pool
+slots, builds the step's `PagedContext` once for all layers, runs the model through the paged attention
+(`kvlab.engine.kv_pool`), and samples one token for every sequence whose scheduled tokens reach its end.
+
+Sizing with `num_blocks=None` follows vLLM's startup (vLLM 0.33.0 `vllm/v1/worker/gpu_worker.py`
+`determine_available_memory`) through `kvlab.costs.budget.MemoryBudget`, the one place a KV budget is computed: from the
+capacity take the engine cap, the memory outside PyTorch, the weights (measured from the model's tensors) and the
+peak activation of a profiled forward over `max_num_batched_tokens` tokens; whole blocks of the rest hold KV. On a
+GPU the capacity is the device's TOTAL memory (`torch.cuda.mem_get_info`) with vLLM's `gpu_memory_utilization`
+of vLLM's default (kvlab.specs.vllm_defaults) and the measured CUDA context (`kvlab.measure.cuda_context_bytes`); on CPU, or when `memory_budget_bytes`
+is given, the capacity is that budget, all of it usable (utilisation 1.0, no runtime term).
+
+Hybrid models (sliding and full layers, Gemma 3) get one block table per KV-cache group (`kvlab.engine.kv_pool.
+kv_cache_groups`); each step builds one `PagedContext` per group and every layer reads its group's.
+
+`Runner` is what `kvlab.engine.LLMEngine` asks of whatever runs its batches: this model runner, or a step cost
+that runs no model (`kvlab.engine.cost_runner.CostRunner`, the simulator's).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+from transformers import PreTrainedModel
+
+from kvlab.agreement import top_k_ids
+from kvlab.costs.budget import MemoryBudget
+from kvlab.engine.config import EngineConfig
+from kvlab.engine.kv_pool import (
+    KVCacheGroup,
+    KVPool,
+    KVShape,
+    PagedContext,
+    enable_paged_attention,
+    kv_cache_groups,
+    slots_for,
+)
+from kvlab.engine.metrics import blocks_for
+from kvlab.engine.request import Request
+from kvlab.engine.scheduler import RunnerOutput, ScheduledBatch
+from kvlab.measure import MemoryTracker, cuda_context_bytes
+from kvlab.specs import vllm_defaults
+from kvlab.units import format_bytes
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_BUDGET = 256 * 2**20  # bytes of "device" memory the engine may use on CPU
+GPU_MEMORY_UTILIZATION = vllm_defaults.GPU_MEMORY_UTILIZATION  # vLLM's default share of GPU memory
+
+
+class Runner(Protocol):
+    """What the engine runs its batches on, and what it learns of it at startup."""
+
+    @property
+    def num_blocks(self) -> int: ...  # blocks of the KV pool
+
+    @property
+    def windows(self) -> list[int | None]: ...  # per KV-cache group: None (full attention) or its window
+
+    @property
+    def max_model_len(self) -> int | None: ...  # the model's context limit (None: only the pool bounds it)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    @property
+    def pool(self) -> KVPool | None: ...
+
+    def run(self, batch: ScheduledBatch) -> RunnerOutput: ...
+
+    def release(self, seq: Request) -> None: ...
+
+
+def eos_token_ids(model: PreTrainedModel) -> frozenset[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    eos = model.config.get_text_config().eos_token_id if eos is None else eos
+    return frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
+
+
+class ModelRunner:
+    def __init__(self, model: PreTrainedModel, config: EngineConfig) -> None:
+        self.model = model
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.shape = KVShape.from_config(model.config)
+        self.groups: list[KVCacheGroup] = kv_cache_groups(model.config)
+        self._group_of_layer = [0] * sum(len(g.layers) for g in self.groups)
+        for g, group in enumerate(self.groups):
+            for layer in group.layers:
+                self._group_of_layer[layer] = g
+        self.block_size = config.block_size
+        # Bytes of one token slot of one block: every layer, or one group's layers in a hybrid model.
+        # Quantized pools (`config.kv_cache_dtype` "fp8"/"int8") count their codes and scales.
+        self.kv_cache_dtype = config.kv_cache_dtype
+        self.kv_bytes_per_token = KVPool.bytes_per_token(self.shape, self.dtype, self.kv_cache_dtype)
+        self.memory_budget: MemoryBudget | None = None  # set when the pool is sized from memory
+        enable_paged_attention(model)
+        # transformers passes a prepared 4-D mask through untouched instead of building one over the flat batch;
+        # the PagedContext carries the real masks, so this placeholder is all the model needs.
+        self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        num_blocks = config.num_blocks
+        if num_blocks is None:
+            num_blocks = self.profile_num_blocks(config.memory_budget_bytes, config.max_num_batched_tokens)
+        self.pool = KVPool(
+            self.shape, num_blocks, self.block_size, self.dtype, self.device, self.kv_cache_dtype
+        )
+        self._generators: dict[int, torch.Generator] = {}
+        self.max_model_len: int | None = model.config.get_text_config().max_position_embeddings
+        self.eos_token_ids = eos_token_ids(model)
+        logger.info(
+            "KV cache: %d blocks × %d tokens = %d tokens (%s, %s per token); layout %s",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.block_size,
+            format_bytes(self.pool.nbytes),
+            format_bytes(self.kv_bytes_per_token),
+            config.kv_layout,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def windows(self) -> list[int | None]:
+        return [g.window for g in self.groups]
+
+    @torch.inference_mode()
+    def profile_num_blocks(self, budget: int | None, tokens: int) -> int:
+        """KV blocks that fit in the memory budget after the weights and a `tokens`-token forward's peak
+        activation, computed by `kvlab.costs.budget.MemoryBudget` (kept as `self.memory_budget`, logged line by line).
+
+        `budget=None`: on a GPU, total device memory × vLLM's default gpu_memory_utilization less the CUDA context; on CPU,
+        `DEFAULT_CPU_BUDGET`. A given `budget` is used whole (utilisation 1.0, no runtime term)."""
+        if budget is None and self.device.type == "cuda":
+            _, total = torch.cuda.mem_get_info(self.device)
+            capacity, utilization = int(total), GPU_MEMORY_UTILIZATION
+            runtime, runtime_source = (
+                cuda_context_bytes(self.device),
+                "measured (kvlab.measure.cuda_context_bytes)",
+            )
+        else:
+            capacity = DEFAULT_CPU_BUDGET if budget is None else int(budget)
+            utilization, runtime, runtime_source = 1.0, 0, "none counted: the budget is given"
+        weights = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
+        # A dummy prefill of a full token budget, on a scratch pool made outside the tracker so it is not counted.
+        blocks = blocks_for(tokens, self.block_size)
+        scratch = KVPool(
+            self.shape,
+            blocks * len(self.groups),
+            self.block_size,
+            self.dtype,
+            self.device,
+            self.kv_cache_dtype,
+        )
+        tables = [[list(range(g * blocks, (g + 1) * blocks))] for g in range(len(self.groups))]
+        slots = [slots_for(t[0], 0, tokens, self.block_size) for t in tables]
+        ctx = self._context(scratch, slots, [tokens], [tokens], tables)
+        ids = torch.zeros(1, tokens, dtype=torch.long, device=self.device)
+        with MemoryTracker(self.device) as mem:
+            self.forward(ids, torch.arange(tokens, device=self.device)[None], ctx, 1)
+        self.memory_budget = MemoryBudget(
+            capacity_bytes=capacity,
+            gpu_memory_utilization=utilization,
+            runtime_bytes=runtime,
+            weight_bytes=weights,
+            activation_bytes=int(mem.peak_bytes),
+            block_size=self.block_size,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            runtime_source=runtime_source,
+            activation_source=f"measured (profiled {tokens}-token forward)",
+        )
+        logger.info(
+            "memory budget (kvlab.costs.budget.MemoryBudget):\n%s", "\n".join(self.memory_budget.lines())
+        )
+        if not self.memory_budget.fits:
+            raise ValueError(
+                f"memory budget {format_bytes(capacity)} leaves no room for KV blocks after weights "
+                f"({format_bytes(weights)}) and activations ({format_bytes(mem.peak_bytes)})"
+            )
+        return self.memory_budget.num_blocks
+
+    def _context(
+        self,
+        pool: KVPool,
+        slots: list[list[int]],
+        query_lens: list[int],
+        context_lens: list[int],
+        tables: list[list[list[int]]],
+    ) -> PagedContext:
+        """The step's `PagedContext`: one per KV-cache group, each layer pointed at its group's."""
+        device = self.device
+        ctxs = [
+            PagedContext.build(pool, torch.tensor(s, device=device), query_lens, context_lens, t)
+            for s, t in zip(slots, tables, strict=True)
+        ]
+        if len(ctxs) == 1:
+            return ctxs[0]
+        ctx = ctxs[0]
+        ctx.by_layer = [ctxs[g] for g in self._group_of_layer]
+        return ctx
+
+    # --- one step -----------------------------------------------------------------------------------------------
+
+    def run(self, batch: ScheduledBatch) -> RunnerOutput:
+        """Forward the batch's scheduled tokens; the sequences that get a new token, their tokens, and per
+        sequence its `params.logprobs` best token ids at that position (None when it asked for none).
+
+        Sequences' `num_computed_tokens` are left to `Scheduler.postprocess`: the runner only reads the batch.
+        """
+        ids: list[int] = []
+        positions: list[int] = []
+        num_groups = len(self.groups)
+        slots: list[list[int]] = [[] for _ in range(num_groups)]
+        tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
+        context_lens: list[int] = []
+        sample_rows: list[int] = []
+        sampled: list[Request] = []
+        bs = self.block_size
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            num_blocks = blocks_for(end, bs)
+            for g, table in enumerate(seq.block_tables):
+                slots[g] += slots_for(table, start, end, bs)
+                # Entries freed behind a sliding window read block 0: the window's mask hides them (a full
+                # group's table has no such entry).
+                sliding = self.groups[g].window is not None
+                tables[g].append([max(b, 0) for b in table[:num_blocks]] if sliding else table[:num_blocks])
+            context_lens.append(end)
+            if end == seq.num_tokens:  # the last known token: its logits give the next one
+                sample_rows.append(len(ids) - 1)
+                sampled.append(seq)
+        device = self.device
+        ctx = self._context(self.pool, slots, list(batch.num_new_tokens), context_lens, tables)
+        logits = self.forward(
+            torch.tensor([ids], device=device),
+            torch.tensor([positions], device=device),
+            ctx,
+            torch.tensor(sample_rows, dtype=torch.long, device=device),
+        )
+        tokens, top_ids = self.sample(sampled, logits[0].float())
+        return RunnerOutput(sampled, tokens, top_ids)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: PagedContext,
+        logits_to_keep: int | torch.Tensor,
+    ) -> torch.Tensor:
+        """One forward of a flat batch `(1, tokens)` through the paged attention; logits of the kept rows."""
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=self._no_mask,
+            use_cache=False,
+            paged_context=ctx,
+            logits_to_keep=logits_to_keep,
+        )
+        return out.logits
+
+    def sample(self, seqs: list[Request], logits: torch.Tensor) -> tuple[list[int], list[list[int] | None]]:
+        """Greedy for temperature 0; otherwise a multinomial draw from a per-sequence seeded generator.
+
+        Also, for each sequence with `params.logprobs = k`, the ids of its k largest logits, best first; a greedy
+        token is always first there (`kvlab.agreement.top_k_ids`, with ties broken as argmax breaks them)."""
+        tokens = logits.argmax(dim=-1).tolist()
+        for i, seq in enumerate(seqs):
+            temperature = seq.params.temperature
+            if temperature > 0:
+                gen = self._generators.get(seq.seq_id)
+                if gen is None:
+                    seed = seq.params.seed if seq.params.seed is not None else seq.seq_id
+                    gen = self._generators[seq.seq_id] = torch.Generator().manual_seed(seed)
+                probs = torch.softmax(logits[i].cpu() / temperature, dim=-1)
+                tokens[i] = int(torch.multinomial(probs, 1, generator=gen))
+        top_ids: list[list[int] | None] = [None] * len(seqs)
+        wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        if wanted:
+            k = max(int(seqs[i].params.logprobs or 1) for i in wanted)
+            best = top_k_ids(logits[wanted], k, first=[tokens[i] for i in wanted])
+            for i, ids in zip(wanted, best, strict=True):
+                top_ids[i] = ids[: seqs[i].params.logprobs]
+        return tokens, top_ids
+
+    def release(self, seq: Request) -> None:
+        """Forget a finished sequence's sampling state."""
+        self._generators.pop(seq.seq_id, None)

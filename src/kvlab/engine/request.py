@@ -1,0 +1,128 @@
+"""One request as the engine tracks it: its tokens, how many are in the cache, and where they live."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from itertools import count
+from typing import Any
+
+from kvlab.engine.metrics import RequestMetrics
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 is greedy
+    ignore_eos: bool = False
+    seed: int | None = None  # for temperature > 0
+    # vLLM's name: keep the ids of the `logprobs` most likely tokens at every generated position
+    # (`RequestOutput.top_token_ids`), for comparing two schedules under `kvlab.agreement`'s top-k rule.
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1 or self.temperature < 0:
+            raise ValueError(
+                f"need max_tokens >= 1 and temperature >= 0, got {self.max_tokens}, {self.temperature}"
+            )
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or self.logprobs < 1):
+            raise ValueError(f"logprobs must be None or an int >= 1, got {self.logprobs!r}")
+
+
+Prompt = Sequence[int] | Mapping[str, Any]  # token ids, or {"prompt_token_ids": [...], "cache_salt": "..."}
+
+
+def parse_prompt(prompt: Prompt) -> tuple[list[int], str | None]:
+    """Token ids and cache salt of a prompt in either form; a one-line error for anything else."""
+    if isinstance(prompt, Mapping):
+        unknown = set(prompt) - {"prompt_token_ids", "cache_salt"}
+        if "prompt_token_ids" not in prompt or unknown:
+            raise ValueError(
+                f"a prompt dict needs 'prompt_token_ids' and may have 'cache_salt', got keys {sorted(prompt)}"
+            )
+        salt = prompt.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+        return list(prompt["prompt_token_ids"]), salt
+    if isinstance(prompt, (str, bytes)):
+        raise ValueError("prompts are token ids (or a dict with 'prompt_token_ids'), not text")
+    return list(prompt), None
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = count()
+
+
+@dataclass(eq=False)
+class Request:
+    """Tokens so far (prompt then output) and the cache state behind them.
+
+    `num_computed_tokens` tokens have K/V in the pool; the rest are fed at the next steps. Preemption by recompute
+    sets it back to 0, keeping the tokens, so the sequence re-enters as one longer prompt.
+    """
+
+    token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = 0.0
+    request_id: str | None = None
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    # The most tokens it has had computed: recomputation after a preemption stays below it.
+    max_computed_tokens: int = 0
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])  # one per KV-cache group
+    cache_salt: str | None = None  # mixed into the first block's hash: no sharing across salts (vLLM's)
+    block_hashes: list[int] = field(default_factory=list)  # of full blocks of token_ids, filled lazily
+    # Where a longer prefix was cached in full-attention groups than in sliding ones at the last lookup (0: none);
+    # sliding groups keep their window there (vLLM 0.33.0 `Request.shared_prefix_boundary`).
+    shared_prefix_boundary: int = 0
+    finish_reason: str | None = None  # "stop" (eos), "length" (max_tokens / max_model_len), "error"
+    error: str | None = None
+    # Per generated token, the `params.logprobs` best token ids at that position (empty when logprobs is None).
+    # Kept across preemption: recomputing the prefill does not sample the tokens already generated again.
+    top_token_ids: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError("a prompt needs at least one token")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {self.cache_salt!r}")
+        self.token_ids = list(self.token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.request_id = str(self.seq_id) if self.request_id is None else self.request_id
+        self.metrics = RequestMetrics(self.arrival_time, self.num_prompt_tokens)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV-cache group's block table (the only one unless the model mixes attention kinds)."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

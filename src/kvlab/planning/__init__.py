@@ -1,0 +1,7 @@
+"""Planning a deployment: the engine run on a cost model, capacity plans, the first lever, and vLLM's own log.
+
+- `simulate`: the engine's loop on a `CostRunner` and a virtual clock (chapter 14).
+- `plan`: capacity plans against latency targets, `kvlab plan` (chapter 14).
+- `diagnose`: from a workload to the first KV-cache lever that applies, `kvlab diagnose` (chapter 15).
+- `vllm_log`, `explain_vllm`: a vLLM start-up log read, and its budget explained, `kvlab explain-vllm` (chapter 5).
+"""

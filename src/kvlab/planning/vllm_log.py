@@ -1,0 +1,168 @@
+"""What a vLLM server's start-up log says about its memory, read from the log text.
+
+vLLM prints its KV budget at start-up, in words that changed between versions. This module reads both families:
+
+- **v1** (the V1 engine, vLLM >= 0.8): "Initializing a V1 LLM engine (vX) with config: model=..., ...",
+  "Model loading took X GiB", "Available KV cache memory: X GiB", "GPU KV cache size: N tokens",
+  "Maximum concurrency for N tokens per request: Xx" (vllm/v1/worker/gpu_worker.py and
+  vllm/v1/core/kv_cache_utils.py; the token line replaced "# GPU blocks" in vllm-project/vllm#13596);
+- **v0** (the older engine): "Loading model weights took X GB", then one of "Memory profiling results:
+  total_gpu_memory=... non_torch_memory=... kv_cache_size=..." (vLLM 0.6.4) or "the current vLLM instance can use
+  total_gpu_memory (X GiB) x gpu_memory_utilization (U)" with "model weights take ...; non_torch_memory takes ...;
+  PyTorch activation peak memory takes ...; the rest of the memory reserved for KV Cache is ..." (vllm/worker/
+  worker.py, vllm-project/vllm#10511), and "# GPU blocks: N" (or "# CUDA blocks: N").
+
+Both families print sizes in units of 2**30 bytes, even where the word is "GB" (vLLM divides by `GiB_bytes`), so
+both convert with 2**30. Published logs are kept in tests/data/vllm_logs/ with their sources. Used by
+`kvlab explain-vllm` (`kvlab.planning.explain_vllm`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from decimal import Decimal
+
+GiB = 2**30
+# vLLM's default --block-size on CUDA (vllm/config/cache.py), what the token count is when only blocks are printed
+DEFAULT_BLOCK_SIZE = 16
+
+_NUMBER = r"(-?[\d,]+(?:\.\d+)?)"
+
+
+@dataclass(frozen=True)
+class Printed:
+    """A size vLLM printed: bytes, and half the last printed digit (the rounding of the figure), in bytes."""
+
+    bytes: int
+    half_ulp_bytes: int
+
+
+@dataclass(frozen=True)
+class StartupLog:
+    """The memory facts of one vLLM start-up log; None where the log does not print them."""
+
+    format: str  # "v1" or "v0"
+    vllm_version: str | None
+    model: str | None
+    dtype: str | None
+    max_seq_len: int | None
+    tensor_parallel_size: int | None
+    kv_cache_dtype: str | None
+    enforce_eager: bool | None
+    block_size: int | None
+    gpu_memory_utilization: float | None
+    max_num_batched_tokens: int | None
+    total_gpu_memory: Printed | None
+    weights: Printed | None
+    non_torch: Printed | None
+    activation_peak: Printed | None
+    cuda_graph: Printed | None
+    available_kv: Printed | None
+    kv_cache_tokens: int | None
+    num_gpu_blocks: int | None
+    max_concurrency: float | None
+    max_concurrency_tokens: int | None
+
+    @property
+    def tokens(self) -> int | None:
+        """KV token slots: the printed count, or blocks × the block size (vLLM's default when unprinted)."""
+        if self.kv_cache_tokens is not None:
+            return self.kv_cache_tokens
+        if self.num_gpu_blocks is not None:
+            return self.num_gpu_blocks * (self.block_size or DEFAULT_BLOCK_SIZE)
+        return None
+
+    def printed_bytes(self) -> dict[str, int | float | None]:
+        """The printed numbers in tests/data/vllm_logs/index.json's `printed` layout."""
+
+        def size(value: Printed | None) -> int | None:
+            return None if value is None else value.bytes
+
+        return {
+            "weights_bytes": size(self.weights),
+            "non_torch_bytes": size(self.non_torch),
+            "activation_peak_bytes": size(self.activation_peak),
+            "cuda_graph_bytes": size(self.cuda_graph),
+            "available_kv_bytes": size(self.available_kv),
+            "kv_cache_tokens": self.kv_cache_tokens,
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "max_concurrency": self.max_concurrency,
+            "max_concurrency_tokens": self.max_concurrency_tokens,
+        }
+
+
+def _size(text: str, *patterns: str) -> Printed | None:
+    """The first pattern's figure (GiB, or GB meaning GiB; MiB) in bytes, with its rounding."""
+    for pattern in patterns:
+        found = re.search(pattern, text)
+        if found:
+            digits = Decimal(found.group(1).replace(",", ""))
+            unit = GiB if found.group(2) in ("GiB", "GB") else 2**20
+            exponent = digits.as_tuple().exponent
+            step = Decimal(1).scaleb(exponent if isinstance(exponent, int) else 0)
+            return Printed(int(round(digits * unit)), int(step * unit / 2))
+    return None
+
+
+def _int(text: str, *patterns: str) -> int | None:
+    for pattern in patterns:
+        found = re.search(pattern, text)
+        if found:
+            return int(found.group(1).replace(",", ""))
+    return None
+
+
+def _word(text: str, pattern: str) -> str | None:
+    found = re.search(pattern, text)
+    return found.group(1) if found else None
+
+
+def parse(text: str) -> StartupLog:
+    """Read a vLLM start-up log; a ValueError names what is missing when it is not one."""
+    available = _size(
+        text,
+        rf"Available KV cache memory: {_NUMBER} ?(GiB|MiB)",
+        rf"reserved for KV Cache is {_NUMBER} ?(GiB)",
+        rf"kv_cache_size={_NUMBER} ?(GiB)",
+    )
+    tokens = _int(text, rf"GPU KV cache size: {_NUMBER} tokens")
+    blocks = _int(text, r"(?:GPU|CUDA) blocks: (\d+)", r"num_gpu_blocks is: (\d+)")
+    if available is None and tokens is None and blocks is None:
+        raise ValueError(
+            "not a vLLM start-up log: found none of 'Available KV cache memory', "
+            "'GPU KV cache size', '# GPU blocks'"
+        )
+    concurrency = re.search(rf"Maximum concurrency for {_NUMBER} tokens per request: ([\d.]+)x", text)
+    v1_markers = ("V1 LLM engine", "GPU KV cache size", "Available KV cache memory", "kv_cache_utils.py")
+    eager = _word(text, r"enforce_eager=(True|False)")
+    dtype = _word(text, r"\bdtype(?:=|': ')(?:torch\.)?(\w+)")
+    utilization = _word(text, r"gpu_memory_utilization(?:=| \(|'?: )(\d+(?:\.\d+)?)")
+    return StartupLog(
+        format="v1" if any(marker in text for marker in v1_markers) else "v0",
+        vllm_version=_word(text, r"LLM engine \(v([^)\s]+)\)") or _word(text, r"API server version (\S+)"),
+        model=_word(text, r"\bmodel='([^']+)'"),
+        dtype=dtype,
+        max_seq_len=_int(text, r"max_seq_len=(\d+)", r"'max_model_len': (\d+)", r"Using max model len (\d+)"),
+        tensor_parallel_size=_int(text, r"tensor_parallel_size(?:=|': )(\d+)"),
+        kv_cache_dtype=_word(text, r"kv_cache_dtype(?:=|': ')(\w+)"),
+        enforce_eager=None if eager is None else eager == "True",
+        block_size=_int(text, r"\bblock_size=(\d+)", r"Block size is set to (\d+)"),
+        gpu_memory_utilization=None if utilization is None else float(utilization),
+        max_num_batched_tokens=_int(text, r"max_num_batched_tokens(?:=|': )(\d+)"),
+        total_gpu_memory=_size(text, rf"total_gpu_memory(?:=| \(){_NUMBER} ?(GiB)"),
+        weights=_size(
+            text,
+            rf"Loading model weights took {_NUMBER} ?(GiB|GB)",
+            rf"Model loading took {_NUMBER} ?(GiB|GB)",
+            rf"model weights take {_NUMBER} ?(GiB)",
+        ),
+        non_torch=_size(text, rf"non_torch_memory(?: takes |=){_NUMBER} ?(GiB)"),
+        activation_peak=_size(text, rf"PyTorch activation peak memory takes {_NUMBER} ?(GiB)"),
+        cuda_graph=_size(text, rf"Estimated CUDA graph memory: {_NUMBER} ?(GiB|MiB)"),
+        available_kv=available,
+        kv_cache_tokens=tokens,
+        num_gpu_blocks=blocks,
+        max_concurrency=None if concurrency is None else float(concurrency.group(2)),
+        max_concurrency_tokens=None if concurrency is None else int(concurrency.group(1).replace(",", "")),
+    )

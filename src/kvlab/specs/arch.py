@@ -1,0 +1,303 @@
+"""Published architectures, offline, and what each layer of them caches.
+
+`get(name)` returns a `transformers.PretrainedConfig` for a Hugging Face model id. The registry (`registry()`)
+is each model's published `config.json`, stored whole in `kvlab/specs/configs/` and cited in `configs/index.json`; it
+loads through `AutoConfig.from_pretrained` like a local path or a Hub id, without touching the network.
+
+`describe(config)` reads a config the same way transformers 5.24's `DynamicCache` does (through
+`transformers.cache_utils.get_layer_types_and_kwargs`) and returns, per layer, what one token adds to the cache.
+Chapter: *Sizing the cache* (book/02_sizing).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kvlab.checks import check_count
+from kvlab.specs.layers import FullAttention, LayerSpec, MLAttention, NoCache, SlidingWindowAttention
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+class UnknownModelError(KeyError):
+    """A model id that is neither in the registry nor loadable from the Hugging Face Hub or a local path."""
+
+    def __str__(self) -> str:  # KeyError would print the message in quotes
+        return str(self.args[0])
+
+
+class UnsupportedConfigError(ValueError):
+    """A config whose cache layout kvlab cannot size exactly."""
+
+
+_CONFIGS = Path(__file__).with_name("configs")
+
+
+@functools.cache
+def _index() -> dict[str, dict[str, Any]]:
+    """configs/index.json: per model id its model_type, the published config's URL, the paper, and how the
+    stored copy was checked (the file's "about" says what each status means)."""
+    return json.loads((_CONFIGS / "index.json").read_text())["models"]
+
+
+def registry() -> list[str]:
+    """The model ids that `get` knows without a network."""
+    return list(_index())
+
+
+def _entry(name: str) -> dict[str, Any]:
+    if name not in _index():
+        raise UnknownModelError(f"{name!r} is not in the kvlab registry")
+    return _index()[name]
+
+
+def source(name: str) -> str:
+    """The published config.json a registry entry is a copy of."""
+    return _entry(name)["config"]
+
+
+def config_path(name: str) -> Path:
+    """The stored copy of a registry model's published config.json (`configs/<org>--<name>.json`)."""
+    _entry(name)
+    return _CONFIGS / f"{name.replace('/', '--')}.json"
+
+
+def get(name: str) -> PretrainedConfig:
+    """A fresh config for `name`: a registry id, a local path or a Hub id, all through `AutoConfig.from_pretrained`.
+
+    The registry and a local path answer without a network. A Hub id is asked once (`HF_HUB_ETAG_TIMEOUT`, else
+    `HUB_TIMEOUT_S`; huggingface_hub's own endpoint and proxies), with no retries: a repository that does not
+    exist, or a Hub that cannot be reached, is one `UnknownModelError` line at once, unless a copy is in the
+    Hugging Face cache. With huggingface_hub offline (`HF_HUB_OFFLINE`) only that cache is read.
+    """
+    if not isinstance(name, str) or not name:
+        raise UnknownModelError(f"a model name must be a non-empty string, got {name!r}")
+    if name in _index():
+        return copy.deepcopy(_published(name))
+    missing = None if Path(name).exists() else _hub_missing(name)
+    if missing is not None:
+        raise UnknownModelError(
+            f"unknown model {name!r}: it is not in the kvlab registry, not a local path, and {missing}. "
+            f"Known models: {', '.join(registry())}"
+        )
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name)
+    except Exception as err:
+        raise UnknownModelError(
+            f"unknown model {name!r}: AutoConfig could not load it ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}). Known models: {', '.join(registry())}"
+        ) from None
+
+
+# Seconds the one Hub request of `get` may take when HF_HUB_ETAG_TIMEOUT is not set (huggingface_hub's own
+# default is 10 s, then five retries with backoff: 27 s before an error on a machine without network).
+HUB_TIMEOUT_S = 1.5
+
+
+def _hub_missing(name: str) -> str | None:
+    """None when the Hugging Face cache holds `name`'s config.json or the Hub serves it; else why not, for a
+    one-line error. One request, no retries; offline (`HF_HUB_OFFLINE`), the cache alone."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url, is_offline_mode, try_to_load_from_cache
+
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return None
+    except ValueError as err:
+        # huggingface_hub's HFValidationError: not of the form org/name.
+        return f"it is not a Hugging Face repository id ({str(err).splitlines()[0]})"
+    if is_offline_mode():
+        return "huggingface_hub is offline (HF_HUB_OFFLINE is set) with no cached copy"
+    timeout = float(os.environ.get("HF_HUB_ETAG_TIMEOUT", HUB_TIMEOUT_S))
+    try:
+        get_hf_file_metadata(hf_hub_url(name, "config.json"), timeout=timeout, retry_on_errors=False)
+    except Exception as err:
+        # huggingface_hub's errors carry the HTTP response; a transport error (no network) carries none.
+        response = getattr(err, "response", None)
+        if response is not None:
+            return f"the Hugging Face Hub does not serve its config.json (HTTP {response.status_code})"
+        return f"the Hugging Face Hub could not be reached ({type(err).__name__}) and no copy is cached"
+    return None
+
+
+@functools.cache
+def _published(name: str) -> PretrainedConfig:
+    # Parsed once (from_pretrained costs milliseconds); `get` hands out deep copies that callers may edit.
+    # An index entry's "defaults" fill what the published file leaves out (GPT-2 declares no dtype).
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(config_path(name), **_index()[name].get("defaults", {}))
+    config.name_or_path = name
+    return config
+
+
+def resolve(config: PretrainedConfig | str) -> PretrainedConfig:
+    """`config` itself, or `get(config)` for a name: what every function that takes either calls first."""
+    return get(config) if isinstance(config, str) else config
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Per-layer cache layout of a model, plus the shape facts the book quotes."""
+
+    name: str
+    model_type: str
+    layers: tuple[LayerSpec, ...]
+    num_attention_heads: int
+    hidden_size: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def kinds(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for layer in self.layers:
+            counts[layer.kind] = counts.get(layer.kind, 0) + 1
+        return counts
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads of the attention layers (MLA counts its single shared latent as one)."""
+        return max(layer.cache_heads for layer in self.layers)
+
+    @property
+    def head_dim(self) -> int:
+        return max(layer.key_dim for layer in self.layers)
+
+    @property
+    def grows(self) -> bool:
+        """Whether some layer's cache grows with the context (False if every layer slides or keeps nothing)."""
+        return any(layer.max_cached_tokens is None for layer in self.layers)
+
+    @property
+    def attention_type(self) -> str:
+        """MHA, GQA, MQA or MLA, by how query heads share KV heads."""
+        if "mla" in self.kinds:
+            return "MLA"
+        kv = self.kv_heads
+        if kv == self.num_attention_heads:
+            return "MHA"
+        return "MQA" if kv == 1 else "GQA"
+
+
+def _positive(config: PretrainedConfig, field: str, value: Any) -> int:
+    return check_count(f"{type(config).__name__}.{field}", value, 1, UnsupportedConfigError)
+
+
+def _attention_shape(layer_config: PretrainedConfig) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) the way the modeling code reads them."""
+    heads = _positive(layer_config, "num_attention_heads", layer_config.num_attention_heads)
+    hidden = _positive(layer_config, "hidden_size", layer_config.hidden_size)
+    if layer_config.model_type == "falcon":
+        # Falcon-7B's multi_query means one KV head. The 40B/180B "new decoder" has num_kv_heads groups, but
+        # transformers' Falcon broadcasts them to every query head before caching, so its cache holds `heads`.
+        if layer_config.new_decoder_architecture:
+            kv_heads = heads
+        else:
+            kv_heads = 1 if layer_config.multi_query else layer_config.num_kv_heads
+    else:
+        kv_heads = getattr(layer_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(layer_config, "head_dim", None)
+    if head_dim is None:
+        if hidden % heads:
+            raise UnsupportedConfigError(
+                f"hidden_size={hidden} is not divisible by num_attention_heads={heads} and no head_dim is set"
+            )
+        head_dim = hidden // heads
+    return (
+        heads,
+        _positive(layer_config, "num_key_value_heads", kv_heads),
+        _positive(layer_config, "head_dim", head_dim),
+    )
+
+
+_FULL = {"full_attention"}
+_SLIDING = {"sliding_attention", "chunked_attention"}
+_NONE = {"dummy", "linear_attention", "conv", "mamba", "recurrent"}
+
+
+def describe(config: PretrainedConfig | str) -> ArchSpec:
+    """Per-layer attention kind, KV heads and head dim of `config` (a config object or a registry name)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    config = resolve(config)
+    text = config.get_text_config(decoder=True)
+    heads, _, _ = _attention_shape(text)
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+    layer_configs = text.per_layer_config
+    mla = getattr(text, "kv_lora_rank", None) is not None
+    layers: list[LayerSpec] = []
+    for index, (layer_type, kwargs, layer_config) in enumerate(
+        zip(layer_types, layer_kwargs, layer_configs, strict=True)
+    ):
+        if layer_type in _NONE:
+            layers.append(NoCache())
+            continue
+        if layer_type not in _FULL | _SLIDING:
+            raise UnsupportedConfigError(
+                f"layer {index} of {text.model_type!r} has type {layer_type!r}, whose cache layout kvlab cannot size"
+            )
+        if mla:
+            if layer_type != "full_attention":
+                raise UnsupportedConfigError(f"layer {index}: MLA with {layer_type!r} is not supported")
+            n_heads = _positive(layer_config, "num_attention_heads", layer_config.num_attention_heads)
+            layers.append(
+                MLAttention(
+                    num_heads=n_heads,
+                    qk_head_dim=layer_config.qk_nope_head_dim + layer_config.qk_rope_head_dim,
+                    v_head_dim=layer_config.v_head_dim,
+                    latent_dim=_positive(layer_config, "kv_lora_rank", layer_config.kv_lora_rank),
+                    rope_dim=_positive(layer_config, "qk_rope_head_dim", layer_config.qk_rope_head_dim),
+                )
+            )
+            continue
+        _, kv_heads, head_dim = _attention_shape(layer_config)
+        if layer_type in _SLIDING:
+            try:
+                layers.append(
+                    SlidingWindowAttention(kv_heads, head_dim, head_dim, window=kwargs["sliding_window"])
+                )
+            except ValueError as err:
+                raise UnsupportedConfigError(f"layer {index}: {err}") from None
+        else:
+            layers.append(FullAttention(kv_heads, head_dim, head_dim))
+    return ArchSpec(
+        name=getattr(config, "name_or_path", "") or text.model_type,
+        model_type=text.model_type,
+        layers=tuple(layers),
+        num_attention_heads=heads,
+        hidden_size=text.hidden_size,
+    )
+
+
+_T = TypeVar("_T")
+
+
+def config_cache(fn: Callable[[PretrainedConfig], _T]) -> Callable[[PretrainedConfig], _T]:
+    """Memoise a pure function of a config, keyed by the config's full JSON (configs are mutable, so unhashable).
+
+    The wrapped function receives the config object itself; nothing is rebuilt from JSON.
+    """
+    cache: dict[tuple[str, str], _T] = {}
+
+    @functools.wraps(fn)
+    def cached(config: PretrainedConfig) -> _T:
+        key = (config.model_type, config.to_json_string(use_diff=False))
+        if key not in cache:
+            if len(cache) >= 128:
+                cache.pop(next(iter(cache)))  # oldest first
+            cache[key] = fn(config)
+        return cache[key]
+
+    return cached

@@ -1,0 +1,300 @@
+"""How many bytes the KV cache and the weights take, exactly.
+
+Per token and layer the cache holds K and V: ``2 × kv_heads × head_dim`` elements (MLA holds one latent of
+``kv_lora_rank + qk_rope_head_dim`` instead). Summed over layers and multiplied by the bytes per element and the
+active tokens, this is the whole cache. Sliding-window layers stop growing at ``window - 1`` tokens.
+`kv_cache_bytes` equals, to the byte, the tensors a transformers 5.24 `DynamicCache` holds; the tests prove it.
+Chapter: *Sizing the cache* (book/02_sizing).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvlab.checks import check_count
+from kvlab.specs.arch import ArchSpec
+from kvlab.specs.shape import DType, prepare, shape, weight_groups
+from kvlab.units import dtype_bytes
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+def _spec_and_bytes(config: PretrainedConfig | str, dtype: DType) -> tuple[ArchSpec, int]:
+    model = shape(config)
+    return model.spec, dtype_bytes(model.dtype if dtype is None else dtype)
+
+
+def check_parallel(spec: ArchSpec, tp: int = 1, pp: int = 1) -> None:
+    """Raise a one-line ValueError when `tp` and `pp` cannot shard `spec` the way vLLM would.
+
+    `tp` must divide the query heads, and it and the KV-head count must divide one another; `pp` must not
+    exceed the layers.
+    """
+    check_count("tp", tp)
+    check_count("pp", pp)
+    if spec.num_attention_heads % tp:
+        raise ValueError(
+            f"tensor-parallel size {tp} does not divide the {spec.num_attention_heads} query heads of {spec.name}"
+        )
+    for layer in spec.layers:
+        layer.kv_heads_per_rank(tp)  # raises when tp and the KV heads do not divide one another
+    if pp > spec.num_layers:
+        raise ValueError(f"pipeline-parallel size {pp} exceeds the {spec.num_layers} layers of {spec.name}")
+
+
+def pipeline_stages(num_layers: int, pp: int) -> list[range]:
+    """The layers each of `pp` pipeline stages runs, split as vLLM splits them (`get_pp_indices` in
+    vllm/distributed/utils.py): evenly, with the remainder going one layer each to the stages before the last,
+    counting backwards from the second to last (the last stage also holds the final norm and the lm_head)."""
+    check_count("num_layers", num_layers)
+    check_count("pp", pp)
+    if pp > num_layers:
+        raise ValueError(f"pipeline-parallel size {pp} exceeds the {num_layers} layers")
+    sizes = [num_layers // pp] * pp
+    for i in range(2, num_layers % pp + 2):
+        sizes[-i] += 1
+    starts = [sum(sizes[:i]) for i in range(pp)]
+    return [range(start, start + size) for start, size in zip(starts, sizes, strict=True)]
+
+
+def kv_bytes_per_token(config: PretrainedConfig | str, dtype: DType = None, tp: int = 1, pp: int = 1) -> int:
+    """Bytes one more token adds to one sequence's cache at short context (every layer still growing).
+
+    With `tp` tensor-parallel ranks and `pp` pipeline stages: the bytes ONE GPU holds, on the stage that holds
+    the most. A rank keeps `max(1, kv_heads // tp)` KV heads per layer (vLLM's rule, so heads are copied once
+    `tp` exceeds the KV heads) and MLA's whole latent. `tp=1, pp=1` is the whole cache.
+    """
+    spec, nbytes = _spec_and_bytes(config, dtype)
+    check_parallel(spec, tp, pp)
+    return nbytes * max(
+        sum(spec.layers[i].elements_per_token_per_rank(tp) for i in stage)
+        for stage in pipeline_stages(spec.num_layers, pp)
+    )
+
+
+def kv_bytes_per_token_expanded(config: PretrainedConfig | str, dtype: DType = None) -> int:
+    """Per-token bytes if every layer kept per-head K and V (for MLA: what the latent replaces)."""
+    spec, nbytes = _spec_and_bytes(config, dtype)
+    return sum(layer.expanded_elements_per_token for layer in spec.layers) * nbytes
+
+
+def kv_cache_bytes(
+    config: PretrainedConfig | str,
+    seq_len: int,
+    batch_size: int = 1,
+    dtype: DType = None,
+    tp: int = 1,
+    pp: int = 1,
+) -> int:
+    """Bytes a transformers `DynamicCache` holds after a forward over `batch_size` sequences of `seq_len` tokens.
+
+    `dtype=None` takes the config's declared dtype (bf16 when it declares none). With `tp` tensor-parallel ranks
+    and `pp` pipeline stages: the bytes ONE GPU holds (see `kv_bytes_per_token`), on the largest stage.
+    """
+    return max(kv_cache_bytes_per_stage(config, seq_len, batch_size, dtype, tp, pp))
+
+
+def kv_cache_bytes_per_stage(
+    config: PretrainedConfig | str,
+    seq_len: int,
+    batch_size: int = 1,
+    dtype: DType = None,
+    tp: int = 1,
+    pp: int = 1,
+) -> list[int]:
+    """`kv_cache_bytes` for one GPU of each of the `pp` pipeline stages, first stage first."""
+    check_count("seq_len", seq_len, 0)
+    check_count("batch_size", batch_size)
+    spec, nbytes = _spec_and_bytes(config, dtype)
+    check_parallel(spec, tp, pp)
+    return [
+        batch_size
+        * nbytes
+        * sum(
+            spec.layers[i].cached_tokens(seq_len) * spec.layers[i].elements_per_token_per_rank(tp)
+            for i in stage
+        )
+        for stage in pipeline_stages(spec.num_layers, pp)
+    ]
+
+
+def param_count(config: PretrainedConfig | str) -> int:
+    """Parameters of the model a config describes, counted on the `meta` device (nothing is allocated)."""
+    return sum(group.elements for group in weight_groups(config))
+
+
+def weight_bytes(config: PretrainedConfig | str, dtype_or_bits: DType | int = None) -> int:
+    """Bytes of the weights: parameters × bytes per element, or × bits / 8 for an int (e.g. 4 for 4-bit).
+
+    Quantization scales and zero points are not counted, so this is the floor a quantized checkpoint reaches.
+    """
+    params = param_count(config)
+    if isinstance(dtype_or_bits, int) and not isinstance(dtype_or_bits, bool):
+        if dtype_or_bits not in (1, 2, 3, 4, 5, 6, 8, 16, 32):
+            raise ValueError(f"weight bits must be one of 1-6, 8, 16 or 32, got {dtype_or_bits}")
+        return math.ceil(params * dtype_or_bits / 8)
+    if isinstance(dtype_or_bits, bool):
+        raise ValueError(f"weight precision must be a dtype or a bit count, got {dtype_or_bits!r}")
+    return params * dtype_bytes(shape(config).dtype if dtype_or_bits is None else dtype_or_bits)
+
+
+def weight_bytes_per_gpu(
+    config: PretrainedConfig | str,
+    dtype_or_bits: DType | int = None,
+    tp: int = 1,
+    pp: int = 1,
+    vocab_parallel: bool = True,
+) -> int:
+    """Weight bytes ONE GPU holds with `tp` tensor-parallel ranks and `pp` pipeline stages (the largest stage).
+
+    Counted tensor by tensor on the `meta` device, the way vLLM shards a dense or MoE decoder: projections and
+    experts are split `tp` ways (column- or row-wise); K and V projections keep `max(1, kv_heads // tp)` heads
+    per rank, so they are copied past the KV-head count; norms, MLA's down-projections (`q_a_proj`,
+    `kv_a_proj_with_mqa`), routers, position tables and the biases of row-parallel layers are whole on every
+    rank; the embedding and lm_head are split by vocabulary rows when `vocab_parallel` (vLLM's
+    `VocabParallelEmbedding`; its padding of the vocabulary is not counted), else whole. A stage holds its own
+    layers, the first stage the input embedding, the last the final norm and the lm_head (a tied table on both).
+    Fused QKV tensors (Falcon, Phi-3, GPT-2) are split `tp` ways, which is exact only where KV heads = heads.
+    `tp=1, pp=1` equals `weight_bytes`.
+    """
+    return max(weight_bytes_per_stage(config, dtype_or_bits, tp, pp, vocab_parallel))
+
+
+def weight_bytes_per_stage(
+    config: PretrainedConfig | str,
+    dtype_or_bits: DType | int = None,
+    tp: int = 1,
+    pp: int = 1,
+    vocab_parallel: bool = True,
+) -> list[int]:
+    """`weight_bytes_per_gpu` for one GPU of each of the `pp` pipeline stages, first stage first."""
+    config = prepare(config)
+    spec, _ = _spec_and_bytes(config, None)
+    check_parallel(spec, tp, pp)
+    if isinstance(dtype_or_bits, int) and not isinstance(dtype_or_bits, bool):
+        weight_bytes(config, dtype_or_bits)  # validates the bit count
+        bits = dtype_or_bits
+    elif isinstance(dtype_or_bits, bool):
+        raise ValueError(f"weight precision must be a dtype or a bit count, got {dtype_or_bits!r}")
+    else:
+        bits = 8 * dtype_bytes(shape(config).dtype if dtype_or_bits is None else dtype_or_bits)
+    kv_heads = spec.kv_heads or 1
+    stages = pipeline_stages(spec.num_layers, pp)
+    owners_of = {"first": [0], "last": [pp - 1], "both": sorted({0, pp - 1})}
+    per_stage = [0] * pp  # elements × tp, to divide once
+    for group in weight_groups(config):
+        if isinstance(group.placement, int):
+            owners = [s for s, stage in enumerate(stages) if group.placement in stage]
+        else:
+            owners = owners_of[group.placement]
+        numel = group.elements
+        if group.sharding == "vocab":
+            share = numel if vocab_parallel else numel * tp
+        elif group.sharding == "replicated":
+            share = numel * tp
+        elif group.sharding == "kv":
+            share = numel * (
+                tp // kv_heads if tp > kv_heads else 1
+            )  # per rank: numel × max(1, kv // tp) / kv
+        else:
+            share = numel
+        for owner in owners:
+            per_stage[owner] += share
+    return [math.ceil(elements * bits / (8 * tp)) for elements in per_stage]
+
+
+def crossover_context(
+    config: PretrainedConfig | str, batch_size: int = 1, dtype: DType = None, weight_dtype: DType | int = None
+) -> int | None:
+    """Smallest context at which `batch_size` sequences' cache reaches the weights' bytes; None if never.
+
+    Sliding-window layers stop growing, so a model whose every layer slides may never get there.
+    """
+    check_count("batch_size", batch_size)
+    target = weight_bytes(config, weight_dtype)
+    spec, _ = _spec_and_bytes(config, dtype)
+    if not spec.grows:
+        longest = max(layer.max_cached_tokens or 0 for layer in spec.layers)
+        if kv_cache_bytes(config, longest, batch_size, dtype) < target:
+            return None
+    # kv_cache_bytes is non-decreasing in seq_len: bisect.
+    lo, hi = 0, 1
+    while kv_cache_bytes(config, hi, batch_size, dtype) < target:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if kv_cache_bytes(config, mid, batch_size, dtype) >= target:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """The numbers the sizing chapter tabulates for one model."""
+
+    name: str
+    attention_type: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    kv_bytes_per_token: int
+    params: int
+    weight_bytes: int
+    max_context: int | None
+
+
+def model_size(
+    config: PretrainedConfig | str, kv_dtype: DType = "bf16", weight_dtype: DType | int = "bf16"
+) -> ModelSize:
+    model = shape(config)
+    spec = model.spec
+    return ModelSize(
+        name=spec.name,
+        attention_type=spec.attention_type,
+        layers=spec.num_layers,
+        kv_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        kv_bytes_per_token=kv_bytes_per_token(config, kv_dtype),
+        params=param_count(config),
+        weight_bytes=weight_bytes(config, weight_dtype),
+        max_context=model.max_context,
+    )
+
+
+def cached_shapes(config: PretrainedConfig | str) -> str:
+    """The distinct per-layer shapes one token adds, in layer order, e.g. "2 × 8 × 128" or two for a hybrid."""
+    shapes = [layer.cached_shape for layer in shape(config).spec.layers if layer.cached_shape]
+    return " / ".join(dict.fromkeys(shapes))
+
+
+def holders(sizes: list[ModelSize], kv_bytes_per_token: int) -> tuple[list[ModelSize], str]:
+    """The models of `sizes` whose cache per token is `kv_bytes_per_token`, and a phrase naming them.
+
+    Ties are named together; a tie of two models with the same layers and shapes says so."""
+    group = [s for s in sizes if s.kv_bytes_per_token == kv_bytes_per_token]
+    if not group:
+        raise ValueError(f"no model of the {len(sizes)} given needs {kv_bytes_per_token} KV bytes per token")
+    names = [s.name for s in group]
+    text = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+    layouts = {(s.layers, cached_shapes(s.name)) for s in group}
+    if len(group) == 2 and len(layouts) == 1:
+        ((num_layers, per_layer),) = layouts
+        text += f" (a tie: both have {num_layers} layers of {per_layer})"
+    elif len(group) > 1:
+        text += " (a tie)"
+    return group, text
+
+
+def rank_inversions(sizes: list[ModelSize]) -> list[tuple[ModelSize, ModelSize]]:
+    """Pairs (small, big) where the model with fewer parameters needs more KV bytes per token."""
+    return [
+        (a, b)
+        for a in sizes
+        for b in sizes
+        if a.params < b.params and a.kv_bytes_per_token > b.kv_bytes_per_token
+    ]
