@@ -24,11 +24,11 @@ import time
 
 import torch
 
+from kvlab.costs.workloads import TraceRequest, synthetic_trace
 from kvlab.engine import LLMEngine
+from kvlab.engine.metrics import mean_kv_utilisation, summarize
 from kvlab.env import env_report
-from kvlab.metrics import mean_kv_utilisation, summarize
 from kvlab.models import tiny_model
-from kvlab.workloads import TraceRequest, synthetic_trace
 
 PAD = 0
 

@@ -3,7 +3,7 @@
 One decode step of `batch` sequences, each with `context` cached tokens, for one layer. Contiguous: K and V
 already laid out as `(batch, kv_heads, context, head_dim)`, one SDPA call. Paged: the same K/V scattered over
 randomly permuted blocks of a pool; the step writes the new token through the slot mapping and gathers each
-sequence's blocks (one `index_select` into a reused workspace) before the same SDPA call (`kvlab.paging.paged_attention_forward`).
+sequence's blocks (one `index_select` into a reused workspace) before the same SDPA call (`kvlab.engine.kv_pool.paged_attention_forward`).
 
     .venv/bin/python benchmarks/bench_paged_attention.py
 """
@@ -16,9 +16,9 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from kvlab.engine.kv_pool import KVPool, KVShape, PagedContext, paged_attention_forward, slots_for
 from kvlab.env import env_report
 from kvlab.measure import percentiles, time_call
-from kvlab.paging import KVPool, KVShape, PagedContext, paged_attention_forward, slots_for
 
 
 def bench(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int, repeat: int):

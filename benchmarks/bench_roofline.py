@@ -1,6 +1,6 @@
 """Measured decode step time beside the roofline, on the machine this runs on.
 
-Measures the device's ceilings (`kvlab.hardware.measure`), then times single-token decode steps of a tiny
+Measures the device's ceilings (`kvlab.specs.hardware.measure`), then times single-token decode steps of a tiny
 random Llama with a real `DynamicCache` at several batch sizes and contexts, and prints measured vs predicted.
 
     .venv/bin/python benchmarks/bench_roofline.py                  # defaults: CPU-sized
@@ -13,11 +13,11 @@ import argparse
 
 import torch
 
-from kvlab import hardware, sizing
+from kvlab.book.report import Table
 from kvlab.env import env_report, pick_device
+from kvlab.experiments.timing import compare_decode
 from kvlab.models import tiny_model
-from kvlab.report import Table
-from kvlab.timing import compare_decode
+from kvlab.specs import hardware, sizing
 from kvlab.units import format_bytes
 
 

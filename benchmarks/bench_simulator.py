@@ -1,13 +1,13 @@
 """The serving simulator against the real engine on this machine: errors per metric, CPU-time vs wall clock,
 and how often chapter 14's claim misses one attempt.
 
-Calibrates `kvlab.simulate`'s step cost on calibration traces, predicts other traces at three loads (below, near
+Calibrates `kvlab.planning.simulate`'s step cost on calibration traces, predicts other traces at three loads (below, near
 and past saturation) and prints, for the engine timed on its process CPU time and on the wall clock side by side,
 the relative error of each latency percentile and of throughput (the median over rounds), and the per-step ratio
 of measured to predicted seconds (where an error comes from: a ratio far above 1 at P99 is another process's time
 slice). Then, from the CPU-time rounds, the spread of each error over single rounds and the rate at which one
-attempt of the lab's claim (`kvlab.simulate.validation_checks`: every error of the median of `val_repeats` rounds
-within `kvlab.simulate.VALIDATION_BANDS`) misses, estimated by drawing rounds from those measured (bootstrap).
+attempt of the lab's claim (`kvlab.planning.simulate.validation_checks`: every error of the median of `val_repeats` rounds
+within `kvlab.planning.simulate.VALIDATION_BANDS`) misses, estimated by drawing rounds from those measured (bootstrap).
 With a per-attempt miss rate p and k attempts the claim fails about p**k of the runs.
 
     .venv/bin/python benchmarks/bench_simulator.py                  # 3 rounds per clock
@@ -24,10 +24,10 @@ import os
 
 import numpy as np
 
-from kvlab import simulate as sim
+from kvlab.book.report import Table
+from kvlab.costs.workloads import synthetic_trace
 from kvlab.models import tiny_model
-from kvlab.report import Table
-from kvlab.workloads import synthetic_trace
+from kvlab.planning import simulate as sim
 
 # Chapter 14's validation set-up (its lab's parameters cell): the pool preempts past saturation.
 KNOBS = dict(

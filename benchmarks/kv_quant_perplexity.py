@@ -1,7 +1,7 @@
 """Chapter 11's long accuracy run: every KV-cache variant against the fp32 cache on >= 20k tokens of real English.
 
-The text is this book's own prose, shipped with kvlab (`kvlab/data/book_prose.txt`, `kvlab.quant.evaluation_text`).
-`kvlab.quant.accuracy` scores it in segments of `--segment` tokens, each fed `--chunk` tokens at a time into a fresh
+The text is this book's own prose, shipped with kvlab (`kvlab/data/book_prose.txt`, `kvlab.experiments.quant.evaluation_text`).
+`kvlab.experiments.quant.accuracy` scores it in segments of `--segment` tokens, each fed `--chunk` tokens at a time into a fresh
 cache (the first chunk of a segment is its unscored prefix). The result, with its provenance (command, commit,
 versions, device, CPU and wall seconds), goes to a JSON file that lab 11 shows when it is present:
 
@@ -25,8 +25,9 @@ from pathlib import Path
 
 import torch
 
-from kvlab import models, quant
+from kvlab import models
 from kvlab.env import env_report, pick_device
+from kvlab.experiments import quant
 
 
 def main() -> None:
@@ -83,7 +84,7 @@ def main() -> None:
         "text_sha256": hashlib.sha256(data).hexdigest(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "commit": commit,
-        "made_by": f"kvlab.quant.accuracy(model, ids, methods, segment={args.segment}, chunk={args.chunk})",
+        "made_by": f"kvlab.experiments.quant.accuracy(model, ids, methods, segment={args.segment}, chunk={args.chunk})",
         **env_report(device),
     }
     args.out.write_text(json.dumps(record, indent=1) + "\n")
