@@ -430,16 +430,18 @@ class BlockManager:
     def append_slots(self, seq: Request, num_new_tokens: int) -> bool:
         """Blocks for the next `num_new_tokens` tokens of a running sequence; all or nothing."""
         self.remove_skipped_blocks(seq)
-        needed = self._new_blocks_needed(seq, num_new_tokens)
-        if needed > self.num_free_blocks:
-            return False
-        total = blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
-        for g, table in enumerate(seq.block_tables):
-            for _ in range(total - len(table)):
-                block_id = self.allocator.allocate()
-                self.block_group[block_id] = g
-                table.append(block_id)
-        self._cache_full_blocks(seq, seq.num_computed_tokens + num_new_tokens)
+        end = seq.num_computed_tokens + num_new_tokens
+        total = blocks_for(end, self.block_size)
+        # The common decode step stays inside its last block: no allocation, so no free-block count either.
+        if any(len(table) < total for table in seq.block_tables):
+            if self._new_blocks_needed(seq, num_new_tokens) > self.num_free_blocks:
+                return False
+            for g, table in enumerate(seq.block_tables):
+                for _ in range(total - len(table)):
+                    block_id = self.allocator.allocate()
+                    self.block_group[block_id] = g
+                    table.append(block_id)
+        self._cache_full_blocks(seq, end)
         return True
 
     def _retained(self, group: int, index: int, seq: Request) -> bool:

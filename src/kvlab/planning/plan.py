@@ -381,14 +381,16 @@ def plan(
             f"them ({missed})"
         )
     searched: list[tuple[int, float, bool]] = []
+    # The search's run at the chosen count is the plan's result: it is not simulated twice.
+    chosen_run: SimulationResult | None = None
     if dp is None:
         chosen = None
         for replicas in range(1, max_gpus // (tp * pp) + 1):
-            result = run(replicas)
-            attained = targets.attainment(result.requests)
-            searched.append((replicas, attained, targets.met(result.requests)))
+            candidate = run(replicas)
+            attained = targets.attainment(candidate.requests)
+            searched.append((replicas, attained, targets.met(candidate.requests)))
             if searched[-1][2]:
-                chosen = replicas
+                chosen, chosen_run = replicas, candidate
                 break
         if chosen is None:
             raise PlanError(
@@ -396,7 +398,7 @@ def plan(
                 f"(best attainment {max(a for _, a, _ in searched):.0%} of the {targets.percentile:g}% needed)"
             )
         dp = chosen
-    result = run(dp)
+    result = chosen_run if chosen_run is not None else run(dp)
     met = targets.met(result.requests)
     goodput = _goodput(
         run, dp, targets, workload, workload.rate if met and workload.rate is not None else None, pp
