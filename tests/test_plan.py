@@ -1,9 +1,12 @@
 """kvlab.planning.plan: capacity planning against latency targets (modelled with kvlab.planning.simulate)."""
 
+import random
+
 import pytest
 
 from kvlab.costs import budget, roofline
 from kvlab.costs.workloads import Workload, WorkloadError
+from kvlab.engine.metrics import RequestMetrics
 from kvlab.planning import plan as P
 from kvlab.planning import simulate as sim
 
@@ -209,3 +212,52 @@ def test_cli_plan_with_tp_and_pp(capsys):
         cli.main(["plan", "meta-llama/Llama-3.1-8B", "--gpu", "H100-SXM", "--rate", "1/s", "--pp", "33"]) == 2
     )
     assert "pipeline-parallel size 33 exceeds" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def _request(ttft: float, e2el: float) -> RequestMetrics:
+    m = RequestMetrics(arrival_time=0.0)
+    m.first_token_time, m.finish_time, m.token_times = ttft, e2el, [ttft, e2el]
+    return m
+
+
+def test_a_run_refuted_early_has_the_full_runs_verdict():
+    """`Targets.refuted_by` fires on a prefix only where `met` on the whole run is False, and after the whole
+    run exactly where it is: a stopped run never changes a verdict."""
+    targets = P.Targets(ttft_ms=100, percentile=90)
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 30)
+        runs = [_request(rng.choice([0.05, 0.2]), 0.3) for _ in range(n)]
+        refuted = targets.refuted_by(n)
+        fired = [refuted(m) for m in runs]
+        met = targets.met(runs)
+        assert fired[-1] == (not met)
+        assert not any(fired) or not met
+
+
+def test_goodput_is_the_same_with_and_without_early_stops(monkeypatch):
+    # Long prompts and a tight TTFT: the bisection's upper rates miss, and their runs stop early.
+    args = dict(
+        context=8192,
+        workload=Workload(rate=2.0, num_requests=100, mean_input=2000, mean_output=40),
+        targets=P.Targets(ttft_ms=200, itl_ms=30),
+        dp=1,
+    )
+    stops: list[bool] = []
+    simulate = P.simulate
+
+    def counting(*a, **kw):
+        result = simulate(*a, **kw)
+        stops.append(result.stopped)
+        return result
+
+    monkeypatch.setattr(P, "simulate", counting)
+    early = P.plan("meta-llama/Llama-3.1-8B", "H100-SXM", **args)
+    assert any(stops), "no bisection run was stopped early: the test does not exercise the stop"
+    monkeypatch.setattr(P.Targets, "refuted_by", lambda self, n: lambda m: False)
+    full = P.plan("meta-llama/Llama-3.1-8B", "H100-SXM", **args)
+    assert early.goodput_rps == full.goodput_rps
+    # A stop that fires at once would refute every rate: the comparison above catches a wrong stop.
+    monkeypatch.setattr(P.Targets, "refuted_by", lambda self, n: lambda m: True)
+    wrong = P.plan("meta-llama/Llama-3.1-8B", "H100-SXM", **args)
+    assert wrong.goodput_rps != full.goodput_rps

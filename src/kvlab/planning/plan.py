@@ -74,6 +74,18 @@ class Targets:
     def met(self, requests: Sequence[RequestMetrics]) -> bool:
         return self.attainment(requests) >= self.percentile / 100 - 1e-12
 
+    def refuted_by(self, num_requests: int) -> Callable[[RequestMetrics], bool]:
+        """A `simulate(stop_when=...)` test for a run of `num_requests` requests: True once so many finished
+        requests have missed a target that `met` is False whatever the others do."""
+        slo, missed = self.slo, 0
+
+        def refuted(request: RequestMetrics) -> bool:
+            nonlocal missed
+            missed += not slo.met_by(request)
+            return (num_requests - missed) / num_requests < self.percentile / 100 - 1e-12
+
+        return refuted
+
 
 class RooflineStepCost:
     """A GPU step under `kvlab.costs.roofline`'s realistic model, for a batch of chunks and decodes on one TP group
@@ -330,9 +342,9 @@ def plan(
         except WorkloadError as err:
             raise PlanError(str(err)) from None
 
-    def run(replicas: int, rate: float | None = None) -> SimulationResult:
+    def run(replicas: int, rate: float | None = None, verdict: bool = False) -> SimulationResult:
         """One scheduler's share of the load (replicas × pp schedulers): the workload's own, or an open-loop
-        `rate` over all replicas."""
+        `rate` over all replicas. With `verdict`, the run stops once the targets are missed for good."""
         schedulers = replicas * pp
         if rate is not None:
             per_replica: float | None = rate / schedulers
@@ -341,9 +353,9 @@ def plan(
             per_replica, conc = None, max(1, workload.concurrency // schedulers)
         else:
             per_replica, conc = (workload.rate or 0.0) / schedulers, None
-        return serve(capped_trace(per_replica), conc)
+        return serve(capped_trace(per_replica), conc, verdict)
 
-    def serve(trace: list[TraceRequest], concurrency: int | None) -> SimulationResult:
+    def serve(trace: list[TraceRequest], concurrency: int | None, verdict: bool = False) -> SimulationResult:
         """One replica of the planned engine serving `trace`."""
         return simulate(
             trace,
@@ -357,6 +369,7 @@ def plan(
             concurrency=concurrency,
             record_steps=False,
             progress=f"simulating {layout}",
+            stop_when=targets.refuted_by(len(trace)) if verdict else None,
         )
 
     # Targets no GPU count meets: even a request alone on an idle replica misses them.
@@ -429,7 +442,7 @@ def plan(
 
 
 def _goodput(
-    run: Callable[[int, float | None], SimulationResult],
+    run: Callable[[int, float | None, bool], SimulationResult],
     dp: int,
     targets: Targets,
     workload: Workload,
@@ -441,11 +454,13 @@ def _goodput(
     the plan meets it; else 0) up to twice the larger of it and the burst throughput (every request at t=0).
     On a finite trace a rate above what the GPUs sustain can still pass while the queue has not yet grown:
     more `num_requests` make the figure stricter."""
-    burst = run(dp, math.inf).summary()
+    burst = run(dp, math.inf, False).summary()
     hi = 2 * max(burst["request_throughput"] * dp * pp, met_at or 0.0)
 
     def ok(rate: float) -> bool:
-        return targets.met(run(dp, rate).requests)
+        # A run that missed for good stops early: its verdict is the full run's, at a fraction of the steps.
+        result = run(dp, rate, True)
+        return not result.stopped and targets.met(result.requests)
 
     if ok(hi):
         return hi

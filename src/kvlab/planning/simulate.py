@@ -237,6 +237,8 @@ class SimulationResult:
     step_seconds: list[float] = field(default_factory=list)
     queued: list[int] = field(default_factory=list)  # requests arrived and waiting, after each step
     mean_running_unrecorded: float | None = None  # mean running sequences when steps were not recorded
+    # True: `simulate(stop_when=...)` ended the run early, and `requests` holds unfinished ones too.
+    stopped: bool = False
 
     def summary(self, slo: SLO | None = None, qs: Sequence[float] = (50, 95, 99)) -> dict[str, float]:
         out = summarize(self.requests, slo=slo, qs=qs)
@@ -270,6 +272,7 @@ def simulate(
     record_steps: bool = True,
     max_steps: int = 10_000_000,
     progress: str | None = None,
+    stop_when: Callable[[RequestMetrics], bool] | None = None,
     **knobs: Any,
 ) -> SimulationResult:
     """Replay `trace` through kvlab's engine with no model: a `CostRunner` charged by `cost` on a virtual clock.
@@ -282,7 +285,8 @@ def simulate(
     ignored. `record_steps=False` skips the per-step statistics (`StepStats`), several times faster for long
     traces. A request that can never fit (prompt not shorter than `max_model_len`) is an error here, not a
     silent drop. With `progress` (its label), a bar of finished requests goes to stderr once a run has taken
-    more than two seconds, on a terminal only.
+    more than two seconds, on a terminal only. `stop_when` sees each finished request's metrics and ends the run
+    when it returns True (`SimulationResult.stopped`): a verdict that cannot change need not wait for the rest.
     """
     _check_trace(trace)
     config = EngineConfig(**knobs) if config is None else replace(config, **knobs)
@@ -330,11 +334,19 @@ def simulate(
     bar = _progress_bar(progress, len(trace))
     if bar is not None:
         engine.scheduler.on_finish.append(lambda seq: bar.update())
+    stopped = False
+
+    def check_stop(seq: Request) -> None:
+        nonlocal stopped
+        stopped = stopped or (stop_when is not None and stop_when(seq.metrics))
+
+    if stop_when is not None:
+        engine.scheduler.on_finish.append(check_stop)
     queued: list[int] = []
     running_sum = 0
     scheduler = engine.scheduler
     for _ in range(max_steps):
-        if not scheduler.has_unfinished():
+        if stopped or not scheduler.has_unfinished():
             break
         ran = len(runner.step_seconds)
         engine.step()
@@ -359,6 +371,7 @@ def simulate(
         runner.step_seconds,
         queued,
         running_sum / max(len(runner.step_seconds), 1) if not record_steps else None,
+        stopped,
     )
 
 
