@@ -38,6 +38,43 @@ def table_node(columns, rows) -> nodes.table:
     return table
 
 
+# What a page says before any GPU run is recorded, per edition: (kind, text) parts, "{json}" the record's path.
+NO_RUN_NOTES = {
+    "en": [
+        ("strong", "Measured on a GPU: "),
+        ("text", "{no_run} for this chapter. "),
+        ("literal", "make gpu"),
+        ("text", " on a GPU machine runs the lab at the sizes of "),
+        ("literal", "book/gpu_params.yaml"),
+        ("text", " and writes "),
+        ("literal", "{json}"),
+        ("text", ", which this page then shows beside the CPU figures."),
+    ],
+    "zh": [
+        ("strong", "GPU 实测："),
+        ("text", "本章还没有记录 GPU 运行。在 GPU 机器上运行 "),
+        ("literal", "make gpu"),
+        ("text", "，它按 "),
+        ("literal", "book/gpu_params.yaml"),
+        ("text", " 的规模运行实验并写出 "),
+        ("literal", "{json}"),
+        ("text", "，本页随后会把它与 CPU 的数字并列显示。"),
+    ],
+}
+_NODES = {"strong": nodes.strong, "literal": nodes.literal}
+
+
+def no_run_note(language: str, chapter: str) -> nodes.paragraph:
+    """The note of an edition's page for a chapter with no recorded GPU run."""
+    from kvlab.book import report
+
+    note = nodes.paragraph(classes=["kvlab-gpu-results"])
+    for kind, text in NO_RUN_NOTES[language]:
+        text = text.format(no_run=report.NO_GPU_RUN, json=f"book/results/<gpu>/{chapter}.json")
+        note += _NODES[kind](text=text) if kind in _NODES else nodes.Text(text)
+    return note
+
+
 class GpuResults(SphinxDirective):
     optional_arguments = 1  # the chapter folder; default: the page's folder
     has_content = False
@@ -54,29 +91,8 @@ class GpuResults(SphinxDirective):
         for path in sorted(results.glob(f"*/{chapter}.json")):
             self.env.note_dependency(str(path))  # a new or changed record rebuilds the page
         records = report.gpu_results(chapter, results)
-        if not records and (self.config.language or "").startswith("zh"):
-            # The Chinese edition (_config_zh.yml) says the same in Chinese.
-            note = nodes.paragraph(classes=["kvlab-gpu-results"])
-            note += nodes.strong(text="GPU 实测：")
-            note += nodes.Text("本章还没有记录 GPU 运行。在 GPU 机器上运行 ")
-            note += nodes.literal(text="make gpu")
-            note += nodes.Text("，它按 ")
-            note += nodes.literal(text="book/gpu_params.yaml")
-            note += nodes.Text(" 的规模运行实验并写出 ")
-            note += nodes.literal(text=f"book/results/<gpu>/{chapter}.json")
-            note += nodes.Text("，本页随后会把它与 CPU 的数字并列显示。")
-            return [note]
         if not records:
-            note = nodes.paragraph(classes=["kvlab-gpu-results"])
-            note += nodes.strong(text="Measured on a GPU: ")
-            note += nodes.Text(f"{report.NO_GPU_RUN} for this chapter. ")
-            note += nodes.literal(text="make gpu")
-            note += nodes.Text(" on a GPU machine runs the lab at the sizes of ")
-            note += nodes.literal(text="book/gpu_params.yaml")
-            note += nodes.Text(" and writes ")
-            note += nodes.literal(text=f"book/results/<gpu>/{chapter}.json")
-            note += nodes.Text(", which this page then shows beside the CPU figures.")
-            return [note]
+            return [no_run_note("zh" if (self.config.language or "").startswith("zh") else "en", chapter)]
         lab = results.parent / chapter / "lab.ipynb"
         cpu = glued_scalars(lab) if lab.is_file() else None
         table = report.gpu_results_table(chapter, results, cpu=cpu)

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from prose import html_blocks
+from prose import assert_sentence_limits, html_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 HTML = ROOT / "_build" / "html" / "zh"
@@ -78,10 +78,9 @@ def test_sentences_end_at_chinese_stops_and_count_hanzi_only():
 def test_chinese_sentences_within_limits(page):
     lengths = sentence_lengths(page)
     assert lengths, f"{page.name}: no Chinese sentence read"
-    longest = max(lengths)
+    longest, longest_text = max(lengths)
     mean = sum(n for n, _ in lengths) / len(lengths)
-    assert longest[0] <= MAX_SENTENCE_CHARS, f"{longest[0]} 汉字: {longest[1]}"
-    assert mean <= MAX_MEAN_CHARS, f"sentences average {mean:.1f} 汉字"
+    assert_sentence_limits(longest, longest_text, mean, "汉字", MAX_SENTENCE_CHARS, MAX_MEAN_CHARS)
 
 
 def test_the_chinese_edition_is_built():
