@@ -136,10 +136,13 @@ def test_describe_honours_explicit_head_dim_and_falcon_quirks():
     assert (falcon.kv_heads, falcon.head_dim) == (1, 64)
 
 
-def test_describe_linear_layers_store_nothing():
+def test_describe_linear_layers_of_an_unsized_family_are_refused():
+    # A linear-attention layer keeps a fixed-size state; kvlab sizes it only for the families it knows
+    # (tests/test_state_sizing.py), never as "nothing" (kvlab issue 25).
     cfg = models.tiny_config("llama", layers=3)
     cfg.layer_types = ["full_attention", "linear_attention", "full_attention"]
-    assert [layer.kind for layer in arch.describe(cfg).layers] == ["full", "none", "full"]
+    with pytest.raises(arch.UnsupportedConfigError, match="layer 1 of 'llama' has type 'linear_attention'"):
+        arch.describe(cfg)
 
 
 def test_unknown_layer_type_is_a_clear_error():

@@ -254,6 +254,7 @@ def size_report(
     lines += [
         f"KV per token {format_bytes(per_token)} ({per_token:,} B, {s.kv_dtype})",
         f"KV per seq   {format_bytes(per_seq)} at {format_tokens(context)} tokens",
+        *_state_line(config, spec, s.kv_dtype),
         f"KV total     {format_bytes(total)} for {_sequences(batch)}",
         f"weights      {format_bytes(weights)} ({s.weight_dtype})",
         f"weights + KV {format_bytes(weights + total)}",
@@ -269,6 +270,17 @@ def size_report(
         lines += [f"on {hardware.get(gpu).name}: the memory budget", *plan.lines(context)]
         lines.append(f"  {_sequences(batch)} of {format_tokens(context)} tokens: {verdict} (room for {seqs})")
     return "\n".join(lines)
+
+
+def _state_line(config: PretrainedConfig | str, spec: arch.ArchSpec, kv_dtype: str) -> list[str]:
+    """For a model with state layers, the fixed state inside "KV per seq" (`sizing.state_bytes_per_sequence`)."""
+    if not spec.has_state:
+        return []
+    state = sizing.state_bytes_per_sequence(config, kv_dtype)
+    count = sum(1 for layer in spec.layers if layer.state_shape)
+    return [
+        f"KV state/seq {format_bytes(state)} fixed, in {count} state layers (conv + fp32 recurrent; in KV per seq)"
+    ]
 
 
 def _sglang_lines(

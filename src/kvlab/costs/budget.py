@@ -369,10 +369,13 @@ def memory_budget(
     `estimate_cuda_graphs=False` is `VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0` (and vLLM before 0.21, or v0):
     the graphs are captured but not charged to the pool.
     """
-    from kvlab.specs.sizing import kv_bytes_per_token, weight_bytes_per_gpu
+    from kvlab.specs.sizing import kv_bytes_per_token, refuse_state, weight_bytes_per_gpu
 
     spec = hardware.get(gpu) if isinstance(gpu, str) else gpu
     config = prepare(config)
+    # vLLM gives Mamba and linear-attention state its own page size beside the KV blocks; this budget has KV
+    # blocks only, so a state model's sequence count would be silently wrong.
+    refuse_state(shape(config).spec, "kvlab's vLLM memory budget")
     if max_model_len is None and not enable_chunked_prefill:
         max_model_len = shape(config).max_context
     batch = vllm_defaults.batch_defaults(

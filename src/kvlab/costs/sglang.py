@@ -246,12 +246,14 @@ def sglang_pool(
     docstring).
     """
     from kvlab.costs.budget import CUDA_CONTEXT_BYTES
-    from kvlab.specs.sizing import check_parallel, kv_bytes_per_token, weight_bytes_per_gpu
+    from kvlab.specs.sizing import check_parallel, kv_bytes_per_token, refuse_state, weight_bytes_per_gpu
 
     spec = hardware.get(gpu) if isinstance(gpu, str) else gpu
     config = prepare(config)
     arch = shape(config).spec
     check_parallel(arch, tp, pp)
+    # SGLang keeps Mamba and linear-attention state in a separate pool, which kvlab does not model.
+    refuse_state(arch, "kvlab's SGLang pool")
     if "sliding" in arch.kinds:
         raise ValueError(
             f"{arch.name}: sliding-window layers get SGLang's separate full and SWA pools, which kvlab does not "

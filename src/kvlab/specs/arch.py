@@ -5,7 +5,10 @@ is each model's published `config.json`, stored whole in `kvlab/specs/configs/` 
 loads through `AutoConfig.from_pretrained` like a local path or a Hub id, without touching the network.
 
 `describe(config)` reads a config the same way transformers 5.24's `DynamicCache` does (through
-`transformers.cache_utils.get_layer_types_and_kwargs`) and returns, per layer, what one token adds to the cache.
+`transformers.cache_utils.get_layer_types_and_kwargs`) and returns, per layer, what one token adds to the cache,
+and for the state layers of hybrid and state-space models (Mamba, Mamba-2, gated DeltaNet, short conv) the
+fixed-size state one sequence keeps (`_STATE_FAMILIES`). A layer type or family it cannot size exactly is an
+`UnsupportedConfigError`, never a guess.
 Chapter: *Sizing the cache* (book/02_sizing).
 """
 
@@ -21,7 +24,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvlab.checks import check_count
-from kvlab.specs.layers import FullAttention, LayerSpec, MLAttention, NoCache, SlidingWindowAttention
+from kvlab.specs.layers import (
+    FixedState,
+    FullAttention,
+    HybridLayer,
+    LayerSpec,
+    MLAttention,
+    NoCache,
+    SlidingWindowAttention,
+    StateLayer,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -176,16 +188,23 @@ class ArchSpec:
         return max(layer.key_dim for layer in self.layers)
 
     @property
+    def has_state(self) -> bool:
+        """Whether some layer keeps a fixed-size state per sequence (Mamba, linear attention, short conv)."""
+        return any(isinstance(layer, FixedState) for layer in self.layers)
+
+    @property
     def grows(self) -> bool:
         """Whether some layer's cache grows with the context (False if every layer slides or keeps nothing)."""
         return any(layer.max_cached_tokens is None for layer in self.layers)
 
     @property
     def attention_type(self) -> str:
-        """MHA, GQA, MQA or MLA, by how query heads share KV heads."""
+        """MHA, GQA, MQA or MLA, by how query heads share KV heads ("none" for a model without attention)."""
         if "mla" in self.kinds:
             return "MLA"
         kv = self.kv_heads
+        if kv == 0:
+            return "none"
         if kv == self.num_attention_heads:
             return "MHA"
         return "MQA" if kv == 1 else "GQA"
@@ -224,17 +243,183 @@ def _attention_shape(layer_config: PretrainedConfig) -> tuple[int, int, int]:
 
 _FULL = {"full_attention"}
 _SLIDING = {"sliding_attention", "chunked_attention"}
-_NONE = {"dummy", "linear_attention", "conv", "mamba", "recurrent"}
+# transformers' `DummyLayer` (and "moe"/"mlp", which get_layer_types_and_kwargs renames to "dummy"): no cache.
+_NONE = {"dummy"}
+# Layer types transformers 5.24 gives a `LinearAttentionLayer` ("conv", "linear_attention") or a linear-attention
+# state beside a dynamic attention layer ("hybrid"): sized only for the families of `_STATE_FAMILIES`.
+_STATE = {"conv", "linear_attention"}
+_HYBRID = {"hybrid"}
+
+
+def _field(config: PretrainedConfig, name: str) -> int:
+    """A positive int field of `config`, or a one-line UnsupportedConfigError naming it."""
+    if not hasattr(config, name):
+        raise UnsupportedConfigError(
+            f"{config.model_type!r} config has no {name!r}, which its state size needs"
+        )
+    return _positive(config, name, getattr(config, name))
+
+
+def _factor(config: PretrainedConfig, name: str) -> float:
+    """A positive number field of `config` (an expansion factor), or a one-line UnsupportedConfigError."""
+    value = getattr(config, name, None)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise UnsupportedConfigError(
+            f"{config.model_type!r} config: {name} must be a positive number, got {value!r}"
+        )
+    return value
+
+
+def _mamba2_state(
+    intermediate: int, heads: int, head_dim: int, groups: int, d_state: int, kernel: int
+) -> tuple[int, int, tuple[int, ...]]:
+    # Mamba-2 mixers convolve x, B and C together: conv_dim = intermediate + 2 × n_groups × d_state, and keep
+    # one (head_dim × d_state) SSM state per head (`conv_dim`, `mamba2_chunk_scan`'s final state).
+    return intermediate + 2 * groups * d_state, kernel, (heads, head_dim, d_state)
+
+
+def _mamba_state(c: PretrainedConfig) -> tuple[int, int, tuple[int, ...]]:
+    # models/mamba/modeling_mamba.py: MambaMixer.intermediate_size = config.intermediate_size (expand × hidden).
+    inner = _field(c, "intermediate_size")
+    return inner, _field(c, "conv_kernel"), (inner, _field(c, "state_size"))
+
+
+def _jamba_state(c: PretrainedConfig) -> tuple[int, int, tuple[int, ...]]:
+    # models/jamba/modeling_jamba.py: JambaMambaMixer, intermediate = mamba_expand × hidden_size.
+    inner = int(_factor(c, "mamba_expand") * _field(c, "hidden_size"))
+    return inner, _field(c, "mamba_d_conv"), (inner, _field(c, "mamba_d_state"))
+
+
+def _mamba2_family_state(c: PretrainedConfig) -> tuple[int, int, tuple[int, ...]]:
+    # models/mamba2/modeling_mamba2.py: Mamba2Mixer, intermediate = int(expand × hidden_size).
+    return _mamba2_state(
+        int(_factor(c, "expand") * _field(c, "hidden_size")),
+        _field(c, "num_heads"),
+        _field(c, "head_dim"),
+        _field(c, "n_groups"),
+        _field(c, "state_size"),
+        _field(c, "conv_kernel"),
+    )
+
+
+def _bamba_state(c: PretrainedConfig) -> tuple[int, int, tuple[int, ...]]:
+    # models/bamba/modeling_bamba.py and models/granitemoehybrid/modeling_granitemoehybrid.py: the Mamba-2 mixer
+    # with intermediate = int(mamba_expand × hidden_size).
+    return _mamba2_state(
+        int(_factor(c, "mamba_expand") * _field(c, "hidden_size")),
+        _field(c, "mamba_n_heads"),
+        _field(c, "mamba_d_head"),
+        _field(c, "mamba_n_groups"),
+        _field(c, "mamba_d_state"),
+        _field(c, "mamba_d_conv"),
+    )
+
+
+def _nemotron_h_state(c: PretrainedConfig) -> tuple[int, int, tuple[int, ...]]:
+    # models/nemotron_h/modeling_nemotron_h.py: NemotronHMamba2Mixer, intermediate = heads × head_dim.
+    heads, head_dim = _field(c, "mamba_num_heads"), _field(c, "mamba_head_dim")
+    return _mamba2_state(
+        heads * head_dim,
+        heads,
+        head_dim,
+        _field(c, "n_groups"),
+        _field(c, "ssm_state_size"),
+        _field(c, "conv_kernel"),
+    )
+
+
+def _falcon_h1_state(c: PretrainedConfig) -> tuple[int, int, tuple[int, ...]]:
+    # models/falcon_h1/modeling_falcon_h1.py: FalconH1Mixer, intermediate = mamba_d_ssm, else mamba_expand × hidden.
+    d_ssm = getattr(c, "mamba_d_ssm", None)
+    inner = (
+        int(_factor(c, "mamba_expand") * _field(c, "hidden_size"))
+        if d_ssm is None
+        else _field(c, "mamba_d_ssm")
+    )
+    return _mamba2_state(
+        inner,
+        _field(c, "mamba_n_heads"),
+        _field(c, "mamba_d_head"),
+        _field(c, "mamba_n_groups"),
+        _field(c, "mamba_d_state"),
+        _field(c, "mamba_d_conv"),
+    )
+
+
+def _zamba2_state(c: PretrainedConfig) -> tuple[int, int, tuple[int, ...]]:
+    # models/zamba2/modeling_zamba2.py: Zamba2MambaMixer, intermediate = int(mamba_expand × hidden_size).
+    return _mamba2_state(
+        int(_factor(c, "mamba_expand") * _field(c, "hidden_size")),
+        _field(c, "n_mamba_heads"),
+        _field(c, "mamba_headdim"),
+        _field(c, "mamba_ngroups"),
+        _field(c, "mamba_d_state"),
+        _field(c, "mamba_d_conv"),
+    )
+
+
+def _qwen3_next_state(c: PretrainedConfig) -> tuple[int, int, tuple[int, ...]]:
+    # models/qwen3_next/modeling_qwen3_next.py: Qwen3NextGatedDeltaNet convolves q, k and v together
+    # (conv_dim = 2 × key heads × key dim + value heads × value dim) and keeps one (key dim × value dim)
+    # delta-rule state per value head.
+    k_heads, k_dim = _field(c, "linear_num_key_heads"), _field(c, "linear_key_head_dim")
+    v_heads, v_dim = _field(c, "linear_num_value_heads"), _field(c, "linear_value_head_dim")
+    return 2 * k_heads * k_dim + v_heads * v_dim, _field(c, "linear_conv_kernel_dim"), (v_heads, k_dim, v_dim)
+
+
+def _lfm2_state(c: PretrainedConfig) -> tuple[int, int, tuple[int, ...]]:
+    # models/lfm2/modeling_lfm2.py: Lfm2ShortConv caches the last conv_L_cache inputs B·x, hidden_size channels;
+    # no recurrent state.
+    return _field(c, "hidden_size"), _field(c, "conv_L_cache"), ()
+
+
+# model_type -> (the layer types whose state kvlab sizes, the reader of one layer's state). Every entry is checked
+# against the cache object of a forward, in fp32 and bf16, by tests/test_state_sizing.py (transformers 5.24).
+_STATE_FAMILIES: dict[
+    str, tuple[frozenset[str], Callable[[PretrainedConfig], tuple[int, int, tuple[int, ...]]]]
+] = {
+    "mamba": (frozenset({"linear_attention"}), _mamba_state),
+    "jamba": (frozenset({"linear_attention"}), _jamba_state),
+    "mamba2": (frozenset({"linear_attention"}), _mamba2_family_state),
+    "bamba": (frozenset({"linear_attention"}), _bamba_state),
+    "granitemoehybrid": (frozenset({"linear_attention"}), _bamba_state),
+    "nemotron_h": (frozenset({"linear_attention"}), _nemotron_h_state),
+    "falcon_h1": (frozenset({"hybrid"}), _falcon_h1_state),
+    "zamba2": (frozenset({"linear_attention", "hybrid"}), _zamba2_state),
+    "qwen3_next": (frozenset({"linear_attention"}), _qwen3_next_state),
+    "lfm2": (frozenset({"conv"}), _lfm2_state),
+}
+
+
+def _state_of(
+    model_type: str, index: int, layer_type: str, kwargs: dict[str, Any], layer_config: PretrainedConfig
+) -> tuple[int, int, tuple[int, ...]]:
+    """(conv channels, conv kernel, recurrent shape) of one state layer, or a one-line UnsupportedConfigError."""
+    family = _STATE_FAMILIES.get(model_type)
+    if family is None or layer_type not in family[0]:
+        raise UnsupportedConfigError(
+            f"layer {index} of {model_type!r} has type {layer_type!r}, a fixed-size state kvlab cannot size for "
+            f"this model type (sized: {', '.join(sorted(_STATE_FAMILIES))})"
+        )
+    if kwargs.get("number_of_states", 1) != 1:
+        raise UnsupportedConfigError(
+            f"layer {index} of {model_type!r} ({layer_type!r}) keeps {kwargs['number_of_states']} states; "
+            "kvlab sizes one"
+        )
+    return family[1](layer_config)
 
 
 def describe(config: PretrainedConfig | str) -> ArchSpec:
-    """Per-layer attention kind, KV heads and head dim of `config` (a config object or a registry name)."""
+    """Per-layer attention kind, KV heads and head dim of `config` (a config object or a registry name), and the
+    fixed-size state of its state layers."""
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     config = resolve(config)
     text = config.get_text_config(decoder=True)
-    heads, _, _ = _attention_shape(text)
     layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+    # A pure state-space model (Mamba) has no attention heads to read.
+    attends = any(t in _FULL | _SLIDING | _HYBRID for t in layer_types) or not layer_types
+    heads = _attention_shape(text)[0] if attends else 0
     layer_configs = text.per_layer_config
     mla = getattr(text, "kv_lora_rank", None) is not None
     layers: list[LayerSpec] = []
@@ -243,6 +428,18 @@ def describe(config: PretrainedConfig | str) -> ArchSpec:
     ):
         if layer_type in _NONE:
             layers.append(NoCache())
+            continue
+        if layer_type in _STATE | _HYBRID:
+            conv_channels, conv_kernel, recurrent = _state_of(
+                text.model_type, index, layer_type, kwargs, layer_config
+            )
+            if layer_type in _STATE:
+                layers.append(StateLayer(conv_channels, conv_kernel, recurrent))
+            else:
+                _, kv_heads, head_dim = _attention_shape(layer_config)
+                layers.append(
+                    HybridLayer(kv_heads, head_dim, head_dim, conv_channels, conv_kernel, recurrent)
+                )
             continue
         if layer_type not in _FULL | _SLIDING:
             raise UnsupportedConfigError(

@@ -1,14 +1,22 @@
 """Layer kinds and what each one caches, attends to and computes, in one place.
 
-Every decoder layer is one of four kinds, mapped from transformers' `layer_types` the way transformers maps a
-layer type to its cache-layer class (`cache_utils.LAYER_CLASS_MAP`):
+Every decoder layer is one of six kinds, mapped from transformers' `layer_types` the way transformers 5.24 maps a
+layer type to its cache-layer class (`cache_utils.DYNAMIC_LAYER_TYPE_MAPPING`):
 
 - `FullAttention`: K and V per KV head for every past token (`DynamicLayer`);
 - `SlidingWindowAttention`: the same, but only the last `window - 1` tokens are kept (`DynamicSlidingWindowLayer`:
   the next query is the window's last position) and a query attends to at most `window` keys;
 - `MLAttention`: DeepSeek's multi-head latent attention; the cache holds one `kv_lora_rank` latent plus the
   decoupled rotary key per token, shared by all heads (DeepSeek-AI, 2024, arXiv:2405.04434, §2.1);
-- `NoCache`: layers that keep no per-token K/V (linear attention, Mamba, convolution, dummy layers).
+- `StateLayer`: a layer with no attention that keeps a fixed-size state per sequence instead (`LinearAttentionLayer`):
+  the last `conv_kernel` inputs of a causal convolution, and for Mamba, Mamba-2 and gated DeltaNet a recurrent
+  (SSM) state; neither grows with the tokens;
+- `HybridLayer`: attention and such a state in one layer (`LinearAttentionAndFullAttentionLayer`: Falcon-H1's
+  parallel attention and Mamba-2 mixer, Zamba2's shared attention block in front of its Mamba-2 mixer);
+- `NoCache`: layers that keep nothing (`DummyLayer`: MLP- or MoE-only layers, KV-sharing consumers).
+
+Only `FullAttention` and the attention of `HybridLayer` grow with the context; `state_bytes(dtype)` is the fixed
+part one sequence holds once it has seen a token (`kvlab.specs.sizing.state_bytes_per_sequence`).
 
 Under tensor parallelism (`tp` ranks) a layer says what one rank keeps: `kv_heads_per_rank`, with vLLM's
 replication past the KV-head count, and MLA's latent whole on every rank. Sizing (`kvlab.specs.sizing`), the roofline (`kvlab.costs.roofline`) and timing (`kvlab.experiments.timing`) ask the layer, never its
@@ -17,6 +25,7 @@ kind's name, so a new kind is one class here. Chapters: *Sizing the cache*, *Why
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal
@@ -27,7 +36,17 @@ from kvlab.units import dtype_bytes
 if TYPE_CHECKING:
     import torch
 
-LayerKind = Literal["full", "sliding", "mla", "none"]
+LayerKind = Literal["full", "sliding", "mla", "state", "hybrid", "none"]
+
+# The dtype transformers 5.24 keeps every recurrent (SSM / delta-rule) state in, whatever the model's dtype: each
+# scan computes in float32 and `LinearAttentionLayer.lazy_initialization` (cache_utils.py) allocates the cached
+# state `zeros_like` the scan's float32 result. Mamba: `mamba_selective_scan` (models/mamba/modeling_mamba.py,
+# discretised A and B in float32); Jamba likewise (models/jamba/modeling_jamba.py); Mamba-2 and its hybrids:
+# `mamba2_chunk_scan` casts its inputs `.float()` (models/mamba2, bamba, granitemoehybrid, nemotron_h, falcon_h1,
+# zamba2: modeling_*.py); gated DeltaNet: `torch_chunk_gated_delta_rule` casts to float32
+# (models/qwen3_next/modeling_qwen3_next.py). The conv state keeps the activations' dtype. Checked on the cache
+# objects in fp32 and bf16 by tests/test_state_sizing.py.
+RECURRENT_STATE_DTYPE = "float32"
 
 
 def _check_tp(tp: int) -> None:
@@ -64,6 +83,15 @@ class LayerSpec(ABC):
     def key_dim(self) -> int:
         """Width of one head's key as the scores use it (0 where the layer has no attention)."""
         return 0
+
+    def state_bytes(self, dtype: torch.dtype | str) -> int:
+        """Bytes of the fixed-size state one sequence keeps in this layer (0 where it keeps none)."""
+        return 0
+
+    @property
+    def state_shape(self) -> str:
+        """The fixed state one sequence keeps, as the sizing table writes it ("" where it keeps none)."""
+        return ""
 
     def kv_bytes_per_token(self, dtype: torch.dtype | str) -> int:
         """Bytes one more token adds to this layer while it still grows."""
@@ -248,3 +276,57 @@ class NoCache(LayerSpec):
     @property
     def pair_flops_per_head(self) -> int:
         return 0
+
+
+@dataclass(frozen=True)
+class FixedState(LayerSpec):
+    """The fixed-size state of a linear-attention, Mamba or convolution layer, per sequence.
+
+    transformers 5.24 keeps it in a `LinearAttentionLayer` (cache_utils.py): `conv_states[0]` of shape
+    `(batch, conv_channels, conv_kernel)` in the activations' dtype (a prompt shorter than the kernel is padded,
+    a longer one cut to its last `conv_kernel` inputs), and `recurrent_states[0]` of shape
+    `(batch, *recurrent_shape)` in float32 (`RECURRENT_STATE_DTYPE`). A layer with only a convolution (LFM2's
+    short conv) has `recurrent_shape == ()` and no recurrent state at all.
+    """
+
+    conv_channels: int
+    conv_kernel: int
+    recurrent_shape: tuple[int, ...]  # () where the layer keeps no recurrent state
+
+    def __post_init__(self) -> None:
+        # Stored shapes come back from JSON as lists; keep the dataclass hashable.
+        object.__setattr__(self, "recurrent_shape", tuple(self.recurrent_shape))
+        check_count("conv_channels", self.conv_channels)
+        check_count("conv_kernel", self.conv_kernel)
+        for size in self.recurrent_shape:
+            check_count("a recurrent state dimension", size)
+
+    @property
+    def recurrent_elements(self) -> int:
+        """Elements of the recurrent state per sequence (0 without one)."""
+        return math.prod(self.recurrent_shape) if self.recurrent_shape else 0
+
+    def state_bytes(self, dtype: torch.dtype | str) -> int:
+        conv = self.conv_channels * self.conv_kernel * dtype_bytes(dtype)
+        return conv + self.recurrent_elements * dtype_bytes(RECURRENT_STATE_DTYPE)
+
+    @property
+    def state_shape(self) -> str:
+        conv = f"conv {self.conv_channels} × {self.conv_kernel}"
+        if not self.recurrent_shape:
+            return conv
+        return conv + " + state " + " × ".join(map(str, self.recurrent_shape)) + " (fp32)"
+
+
+@dataclass(frozen=True)
+class StateLayer(FixedState, NoCache):
+    """A layer without attention that keeps only a fixed-size state (Mamba, Mamba-2, gated DeltaNet, short conv)."""
+
+    kind: ClassVar[LayerKind] = "state"
+
+
+@dataclass(frozen=True)
+class HybridLayer(FixedState, FullAttention):
+    """Full attention and a fixed-size state in one layer (`LinearAttentionAndFullAttentionLayer`)."""
+
+    kind: ClassVar[LayerKind] = "hybrid"

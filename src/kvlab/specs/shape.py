@@ -20,7 +20,15 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 from kvlab.specs import arch
 from kvlab.specs.arch import ArchSpec, config_cache
-from kvlab.specs.layers import FullAttention, LayerSpec, MLAttention, NoCache, SlidingWindowAttention
+from kvlab.specs.layers import (
+    FullAttention,
+    HybridLayer,
+    LayerSpec,
+    MLAttention,
+    NoCache,
+    SlidingWindowAttention,
+    StateLayer,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -49,7 +57,8 @@ _ROW_PARALLEL_BIAS = (
 )
 _LAYER_INDEX = re.compile(r"\.(?:layers|h)\.(\d+)\.")
 _LAYER_KINDS: dict[str, type[LayerSpec]] = {
-    cls.kind: cls for cls in (FullAttention, SlidingWindowAttention, MLAttention, NoCache)
+    cls.kind: cls
+    for cls in (FullAttention, SlidingWindowAttention, MLAttention, StateLayer, HybridLayer, NoCache)
 }
 
 

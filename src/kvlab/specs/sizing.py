@@ -3,7 +3,11 @@
 Per token and layer the cache holds K and V: ``2 × kv_heads × head_dim`` elements (MLA holds one latent of
 ``kv_lora_rank + qk_rope_head_dim`` instead). Summed over layers and multiplied by the bytes per element and the
 active tokens, this is the whole cache. Sliding-window layers stop growing at ``window - 1`` tokens.
-`kv_cache_bytes` equals, to the byte, the tensors a transformers 5.24 `DynamicCache` holds; the tests prove it.
+State layers (Mamba, Mamba-2, gated DeltaNet, short conv: `kvlab.specs.layers.StateLayer`, `HybridLayer`) add a
+fixed-size state per sequence instead (`state_bytes_per_sequence`): a conv state in the cache dtype and a
+recurrent state in float32, the same after one token as after a million.
+`kv_cache_bytes` equals, to the byte, the K/V and state tensors a transformers 5.24 `DynamicCache` holds; the
+tests prove it (tests/test_sizing.py, tests/test_state_sizing.py).
 Chapter: *Sizing the cache* (book/02_sizing).
 """
 
@@ -14,17 +18,36 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvlab.checks import check_count
-from kvlab.specs.arch import ArchSpec
+from kvlab.specs.arch import ArchSpec, UnsupportedConfigError
 from kvlab.specs.shape import DType, prepare, shape, weight_groups
 from kvlab.units import dtype_bytes
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PretrainedConfig
 
 
 def _spec_and_bytes(config: PretrainedConfig | str, dtype: DType) -> tuple[ArchSpec, int]:
+    spec, dtype = _spec_and_dtype(config, dtype)
+    return spec, dtype_bytes(dtype)
+
+
+def _spec_and_dtype(config: PretrainedConfig | str, dtype: DType) -> tuple[ArchSpec, torch.dtype | str]:
     model = shape(config)
-    return model.spec, dtype_bytes(model.dtype if dtype is None else dtype)
+    chosen = model.dtype if dtype is None else dtype
+    if chosen is None:
+        raise ValueError(f"{model.spec.name}: no dtype to size its cache in")
+    return model.spec, chosen
+
+
+def refuse_state(spec: ArchSpec, what: str) -> None:
+    """A one-line UnsupportedConfigError when `spec` has state layers, which `what` does not model."""
+    if spec.has_state:
+        count = sum(1 for layer in spec.layers if layer.state_shape)
+        raise UnsupportedConfigError(
+            f"{spec.name} ({spec.model_type!r}) has {count} state layer(s) (Mamba, linear attention or conv), "
+            f"which {what} does not model"
+        )
 
 
 def check_parallel(spec: ArchSpec, tp: int = 1, pp: int = 1) -> None:
@@ -63,6 +86,8 @@ def pipeline_stages(num_layers: int, pp: int) -> list[range]:
 def kv_bytes_per_token(config: PretrainedConfig | str, dtype: DType = None, tp: int = 1, pp: int = 1) -> int:
     """Bytes one more token adds to one sequence's cache at short context (every layer still growing).
 
+    The fixed-size state of state layers is not per token and is not counted (`state_bytes_per_sequence`).
+
     With `tp` tensor-parallel ranks and `pp` pipeline stages: the bytes ONE GPU holds, on the stage that holds
     the most. A rank keeps `max(1, kv_heads // tp)` KV heads per layer (vLLM's rule, so heads are copied once
     `tp` exceeds the KV heads) and MLA's whole latent. `tp=1, pp=1` is the whole cache.
@@ -91,8 +116,11 @@ def kv_cache_bytes(
 ) -> int:
     """Bytes a transformers `DynamicCache` holds after a forward over `batch_size` sequences of `seq_len` tokens.
 
-    `dtype=None` takes the config's declared dtype (bf16 when it declares none). With `tp` tensor-parallel ranks
-    and `pp` pipeline stages: the bytes ONE GPU holds (see `kv_bytes_per_token`), on the largest stage.
+    The growing K/V of the attention layers plus, once `seq_len >= 1`, `batch_size` × the fixed state of the
+    state layers (`state_bytes_per_sequence`). `dtype=None` takes the config's declared dtype (bf16 when it
+    declares none); recurrent states are float32 whatever it is (`kvlab.specs.layers.RECURRENT_STATE_DTYPE`).
+    With `tp` tensor-parallel ranks and `pp` pipeline stages: the bytes ONE GPU holds (see `kv_bytes_per_token`),
+    on the largest stage; a model with state layers is refused at `tp > 1`.
     """
     return max(kv_cache_bytes_per_stage(config, seq_len, batch_size, dtype, tp, pp))
 
@@ -108,17 +136,35 @@ def kv_cache_bytes_per_stage(
     """`kv_cache_bytes` for one GPU of each of the `pp` pipeline stages, first stage first."""
     check_count("seq_len", seq_len, 0)
     check_count("batch_size", batch_size)
-    spec, nbytes = _spec_and_bytes(config, dtype)
+    spec, chosen = _spec_and_dtype(config, dtype)
+    nbytes = dtype_bytes(chosen)
     check_parallel(spec, tp, pp)
+    if tp > 1 and spec.has_state:
+        # vLLM splits Mamba heads and conv channels across ranks, replicating groups that do not divide; kvlab
+        # does not model that split.
+        refuse_state(spec, f"kvlab's per-rank sizing at tp={tp}")
+    # Before the first forward the state tensors do not exist (LinearAttentionLayer allocates them lazily).
+    seen = 1 if seq_len else 0
     return [
         batch_size
-        * nbytes
         * sum(
-            spec.layers[i].cached_tokens(seq_len) * spec.layers[i].elements_per_token_per_rank(tp)
+            nbytes * spec.layers[i].cached_tokens(seq_len) * spec.layers[i].elements_per_token_per_rank(tp)
+            + seen * spec.layers[i].state_bytes(chosen)
             for i in stage
         )
         for stage in pipeline_stages(spec.num_layers, pp)
     ]
+
+
+def state_bytes_per_sequence(config: PretrainedConfig | str, dtype: DType = None) -> int:
+    """Bytes of the fixed-size state one sequence keeps once it has seen a token, summed over the state layers.
+
+    Per layer, transformers 5.24's `LinearAttentionLayer` (cache_utils.py): a conv state of `conv_channels ×
+    conv_kernel` in `dtype` (the config's when None) and a recurrent state in float32. 0 for a model without
+    state layers; `kv_cache_bytes` = the growing K/V + `batch_size` × this.
+    """
+    spec, chosen = _spec_and_dtype(config, dtype)
+    return sum(layer.state_bytes(chosen) for layer in spec.layers)
 
 
 def param_count(config: PretrainedConfig | str) -> int:
@@ -217,7 +263,8 @@ def crossover_context(
     target = weight_bytes(config, weight_dtype)
     spec, _ = _spec_and_bytes(config, dtype)
     if not spec.grows:
-        longest = max(layer.max_cached_tokens or 0 for layer in spec.layers)
+        # At least one token: a state layer's state exists from the first token on and never grows.
+        longest = max(1, *(layer.max_cached_tokens or 0 for layer in spec.layers))
         if kv_cache_bytes(config, longest, batch_size, dtype) < target:
             return None
     # kv_cache_bytes is non-decreasing in seq_len: bisect.
