@@ -261,3 +261,23 @@ def test_goodput_is_the_same_with_and_without_early_stops(monkeypatch):
     monkeypatch.setattr(P.Targets, "refuted_by", lambda self, n: lambda m: True)
     wrong = P.plan("meta-llama/Llama-3.1-8B", "H100-SXM", **args)
     assert wrong.goodput_rps != full.goodput_rps
+
+
+def test_attention_pairs_summed_in_integers_equal_the_triangle_formula():
+    # parts() sums n * (c - (n - 1) / 2) in integers (one sum over contexts when every n is 1); the values must
+    # be those of the float formula exactly, or a plan's step times would drift in the last bits.
+    cost = P.RooflineStepCost("meta-llama/Llama-3.1-8B", "H100-SXM")
+    rng = random.Random(0)
+    for decode_only in (True, False):
+        for _ in range(50):
+            seqs = rng.randint(1, 300)
+            new = [1 if decode_only else rng.choice([1, 1, 7, 512]) for _ in range(seqs)]
+            ctx = [n + rng.randint(0, 100_000) for n in new]
+            pairs = sum(n * (c - (n - 1) / 2) for n, c in zip(new, ctx, strict=True))
+            flops = (
+                cost.body_flops * sum(new)
+                + cost.head_flops * len(new) / cost.pp
+                + cost.attn_flops_per_ctx * pairs
+            )
+            moved = cost.weight_bytes + cost.kv_per_token * sum(ctx)
+            assert cost.parts(new, ctx) == (cost.pp * flops / cost.flops, cost.pp * moved / cost.bandwidth)

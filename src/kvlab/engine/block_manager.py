@@ -206,6 +206,8 @@ class BlockManager:
         if not windows or any(w is not None and w < 2 for w in windows):
             raise ValueError(f"windows must be None or >= 2, one per KV-cache group, got {list(windows)}")
         self.has_sliding_groups = any(w is not None for w in windows)
+        # One table per sequence, never freed behind a window: `append_slots` takes its fast path
+        self.single_full_group = list(windows) == [None]
         check_retention_interval(prefix_cache_retention_interval, block_size)
         if prefix_cache_retention_interval and not self.has_sliding_groups:
             # vLLM 0.33.0 refuses it too (`_validate_prefix_cache_retention_interval`, kv_cache_coordinator.py).
@@ -429,8 +431,17 @@ class BlockManager:
 
     def append_slots(self, seq: Request, num_new_tokens: int) -> bool:
         """Blocks for the next `num_new_tokens` tokens of a running sequence; all or nothing."""
+        start = seq.num_computed_tokens
+        end = start + num_new_tokens
+        if self.single_full_group:
+            # One full-attention table, the common decode step: the tokens stay inside its blocks, and no block
+            # fills that an earlier step has not published already (each step publishes what it fills).
+            bs = self.block_size
+            if end <= len(seq.block_tables[0]) * bs and (
+                not self.enable_prefix_caching or end // bs == start // bs
+            ):
+                return True
         self.remove_skipped_blocks(seq)
-        end = seq.num_computed_tokens + num_new_tokens
         total = blocks_for(end, self.block_size)
         # The common decode step stays inside its last block: no allocation, so no free-block count either.
         if any(len(table) < total for table in seq.block_tables):

@@ -39,8 +39,11 @@ class CostRunner:
         contexts = batch.context_lens()
         seconds = float(self.cost(batch.num_new_tokens, contexts))
         self.step_seconds.append(seconds)
-        sampled = [s for s, end in zip(batch.seqs, contexts, strict=True) if end == s.num_tokens]
-        tokens = [2 + (s.seq_id * 7919 + s.num_tokens) % 1_000_003 for s in sampled]
+        sampled, tokens = [], []
+        for seq, end in zip(batch.seqs, contexts, strict=True):
+            if end == len(seq.token_ids):
+                sampled.append(seq)
+                tokens.append(2 + (seq.seq_id * 7919 + end) % 1_000_003)
         return RunnerOutput(sampled, tokens, [None] * len(sampled), seconds)
 
     def release(self, seq: Request) -> None:

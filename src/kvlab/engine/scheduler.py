@@ -84,6 +84,9 @@ class ScheduledBatch:
     seqs: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Each sequence's context once the step has run, recorded as it is scheduled (runners and the clock read it
+    # before `Scheduler.postprocess` advances the sequences).
+    contexts: list[int] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -91,7 +94,12 @@ class ScheduledBatch:
 
     def context_lens(self) -> list[int]:
         """Each sequence's context once the step has run (read before `Scheduler.postprocess` advances it)."""
-        return [s.num_computed_tokens + n for s, n in zip(self.seqs, self.num_new_tokens, strict=True)]
+        return self.contexts
+
+    def add(self, seq: Request, num_new_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+        self.contexts.append(seq.num_computed_tokens + num_new_tokens)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -156,19 +164,26 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         # Running sequences first, in admission order; victims come off the end.
+        # The loop runs once per running sequence per step (the simulator's hot path): names are bound locally.
         index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
-            n = min(seq.num_uncomputed_tokens, budget)
-            while not self.block_manager.append_slots(seq, n):
-                victim = self.running.pop()
+        running, append_slots = self.running, self.block_manager.append_slots
+        seqs, num_new_tokens, contexts = batch.seqs, batch.num_new_tokens, batch.contexts
+        while index < len(running) and budget > 0:
+            seq = running[index]
+            n = len(seq.token_ids) - seq.num_computed_tokens
+            if n > budget:
+                n = budget
+            while not append_slots(seq, n):
+                victim = running.pop()
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(n)
+                # batch.add(seq, n), inline
+                seqs.append(seq)
+                num_new_tokens.append(n)
+                contexts.append(seq.num_computed_tokens + n)
                 budget -= n
                 index += 1
                 continue
@@ -201,8 +216,7 @@ class Scheduler:
                 seq.metrics.first_scheduled_time = now
                 seq.metrics.num_cached_tokens = seq.num_computed_tokens
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(admitted)
+            batch.add(seq, admitted)
             budget -= admitted
         if not batch.seqs and (self.running or any(s.arrival_time <= now for s in self.waiting)):
             self._count_idle_step()
@@ -233,42 +247,40 @@ class Scheduler:
         for hook in self.on_step:
             hook(batch)
         progressed = False
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens > seq.max_computed_tokens:
-                seq.max_computed_tokens = seq.num_computed_tokens
+        for seq, end in zip(batch.seqs, batch.contexts, strict=True):
+            seq.num_computed_tokens = end
+            if end > seq.max_computed_tokens:
+                seq.max_computed_tokens = end
                 progressed = True
         if progressed:
             self.num_idle_steps = 0
         else:
             self._count_idle_step()
         finished = []
+        eos, max_model_len = self.eos_token_ids, self.config.max_model_len
         for seq, token, top in zip(output.seqs, output.token_ids, output.top_token_ids, strict=True):
-            seq.token_ids.append(token)
+            token_ids, metrics, params = seq.token_ids, seq.metrics, seq.params
+            token_ids.append(token)
             if top is not None:
                 seq.top_token_ids.append(top)
-            seq.metrics.token_times.append(now)
-            if seq.metrics.first_token_time is None:
-                seq.metrics.first_token_time = now
-            reason = self._finish_reason(seq, token)
+            metrics.token_times.append(now)
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            # Why it stops, if it does (inline: this runs once per sampled token)
+            num_tokens = len(token_ids)
+            if not params.ignore_eos and token in eos:
+                reason: str | None = "stop"
+            elif num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= max_model_len:
+                reason = "length"
+            else:
+                reason = None
             if reason:
-                seq.metrics.finish_time = now
+                metrics.finish_time = now
                 self.finish(seq, reason)
                 finished.append(seq)
         if self.log_stats:
             self._record(batch, now)
         return finished
-
-    def _finish_reason(self, seq: Request, token: int) -> str | None:
-        if not seq.params.ignore_eos and token in self.eos_token_ids:
-            return "stop"
-        num_tokens = len(seq.token_ids)
-        if (
-            num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
-            or num_tokens >= self.config.max_model_len
-        ):
-            return "length"
-        return None
 
     def _record(self, batch: ScheduledBatch, now: float) -> None:
         bm = self.block_manager

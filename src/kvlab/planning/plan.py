@@ -141,14 +141,20 @@ class RooflineStepCost:
     def parts(self, num_new_tokens: Sequence[int], context_lens: Sequence[int]) -> tuple[float, float]:
         """(compute seconds, memory seconds) of the step summed over its `pp` stages (each the largest), before
         the link time and the overhead."""
-        tokens = sum(num_new_tokens)
-        attention = sum(n * (c - (n - 1) / 2) for n, c in zip(num_new_tokens, context_lens, strict=True))
+        tokens, context = sum(num_new_tokens), sum(context_lens)
+        # Query-key pairs: n * (c - (n - 1) / 2) per sequence, summed in integers (n * (n - 1) is even), so the
+        # common decode step (every n = 1) is one sum over the contexts.
+        if tokens == len(num_new_tokens):
+            attention = context
+        else:
+            pairs = sum(n * c for n, c in zip(num_new_tokens, context_lens, strict=True))
+            attention = pairs - sum(n * (n - 1) for n in num_new_tokens) // 2
         flops = (
             self.body_flops * tokens
             + self.head_flops * len(num_new_tokens) / self.pp
             + self.attn_flops_per_ctx * attention
         )
-        moved = self.weight_bytes + self.kv_per_token * sum(context_lens)
+        moved = self.weight_bytes + self.kv_per_token * context
         return self.pp * flops / self.flops, self.pp * moved / self.bandwidth
 
     def link_seconds(self, num_new_tokens: Sequence[int]) -> float:
