@@ -109,3 +109,9 @@ def test_tokens_from_the_printed_memory_equal_vllms_to_the_block(entry):
         <= explain_vllm.tokens_from_memory(log.available_kv.bytes, 2 * per_token, block)
         <= high + block
     )
+
+
+def test_the_utilisation_is_read_from_the_cuda_graph_profiling_line():
+    # vLLM >= 0.21 prints it only in its flag form (LMCache/LMCache#3430, tests/data/vllm_logs/)
+    log = _log(next(e for e in INDEX if e["slug"] == "lmcache-3430-qwen3-8b-a5000-v0.21"))
+    assert log.gpu_memory_utilization == 0.9764

@@ -137,7 +137,11 @@ def parse(text: str) -> StartupLog:
     v1_markers = ("V1 LLM engine", "GPU KV cache size", "Available KV cache memory", "kv_cache_utils.py")
     eager = _word(text, r"enforce_eager=(True|False)")
     dtype = _word(text, r"\bdtype(?:=|': ')(?:torch\.)?(\w+)")
-    utilization = _word(text, r"gpu_memory_utilization(?:=| \(|'?: )(\d+(?:\.\d+)?)")
+    utilization = _word(text, r"gpu_memory_utilization(?:=| \(|'?: )(\d+(?:\.\d+)?)") or _word(
+        # vLLM >= 0.21's CUDA-graph profiling line names the setting by its flag
+        text,
+        r"The current --gpu-memory-utilization=(\d+(?:\.\d+)?)",
+    )
     return StartupLog(
         format="v1" if any(marker in text for marker in v1_markers) else "v0",
         vllm_version=_word(text, r"LLM engine \(v([^)\s]+)\)") or _word(text, r"API server version (\S+)"),
