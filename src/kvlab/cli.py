@@ -2,7 +2,10 @@
 in one line; with `--tp`/`--pp`, what ONE GPU holds (chapter *Many GPUs*).
 
 `kvlab plan MODEL --gpu H100-SXM --context 8k --ttft 500ms --itl 50ms --rate 4/s`: a capacity plan against
-latency targets (`kvlab.planning.plan`, chapter *Capacity planning*)."""
+latency targets (`kvlab.planning.plan`, chapter *Capacity planning*).
+
+Both take `--speculative K --draft MODEL` (or `--draft-layers N`, an EAGLE-style head): speculative decoding's
+draft weights, draft cache layers and lookahead slots in the memory budget (`kvlab.specs.sizing`)."""
 
 from __future__ import annotations
 
@@ -149,12 +152,42 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=_positive_int, default=budget.BLOCK_SIZE)
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=budget.GPU_MEMORY_UTILIZATION)
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    _add_speculative_arguments(p)
+
+
+def _add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculative",
+        type=_nonnegative_int,
+        help="K speculative tokens a step (vLLM's num_speculative_tokens); needs --draft or --draft-layers",
+    )
+    p.add_argument(
+        "--draft",
+        help="the draft model (vLLM's method draft_model): a registry name, same vocabulary as MODEL",
+    )
+    p.add_argument(
+        "--draft-layers",
+        type=_nonnegative_int,
+        help="instead of --draft: an EAGLE/MTP-style head of N decoder layers of MODEL's own shape",
+    )
+
+
+def _speculation(args: argparse.Namespace) -> sizing.Speculation | None:
+    """The checked speculative settings of a command line (a one-line ValueError when they are wrong)."""
+    return sizing.speculation(
+        shape.prepare(args.model),
+        args.speculative or 0,
+        args.draft,
+        args.draft_layers or 0,
+        args.tp or 1,
+        args.pp or 1,
+    )
 
 
 def plan_report(args: argparse.Namespace) -> str:
     """The text `kvlab plan` prints (`kvlab.planning.plan.plan`)."""
-    # An unknown model is one line before the planner (and torch) loads.
-    shape.prepare(args.model)
+    # An unknown model, or a wrong --speculative/--draft, is one line before the planner (and torch) loads.
+    _speculation(args)
     from kvlab.costs.workloads import Workload
     from kvlab.planning import plan
 
@@ -240,6 +273,7 @@ def size_report(
     total = per_seq * batch
     weights = sizing.weight_bytes_per_gpu(config, s.weight_dtype, tp=tp, pp=pp)
     kinds = ", ".join(f"{n} {k}" for k, n in spec.kinds.items())
+    spec_decode = sizing.speculation(config, s.speculative, s.draft, s.draft_layers, tp, pp)
     lines = [
         f"model        {model} ({spec.attention_type}, {spec.num_layers} layers: {kinds}; "
         f"kv_heads={spec.kv_heads}, head_dim={spec.head_dim})",
@@ -253,6 +287,7 @@ def size_report(
         )
     lines += [
         f"KV per token {format_bytes(per_token)} ({per_token:,} B, {s.kv_dtype})",
+        *_draft_lines(config, spec_decode, s),
         f"KV per seq   {format_bytes(per_seq)} at {format_tokens(context)} tokens",
         *_state_line(config, spec, s.kv_dtype),
         f"KV total     {format_bytes(total)} for {_sequences(batch)}",
@@ -270,6 +305,24 @@ def size_report(
         lines += [f"on {hardware.get(gpu).name}: the memory budget", *plan.lines(context)]
         lines.append(f"  {_sequences(batch)} of {format_tokens(context)} tokens: {verdict} (room for {seqs})")
     return "\n".join(lines)
+
+
+def _draft_lines(
+    config: PretrainedConfig | str, spec: sizing.Speculation | None, s: budget.BudgetSettings
+) -> list[str]:
+    """Under speculation: what the drafter adds per token and in weights, and the slots a sequence holds ahead."""
+    if spec is None:
+        return []
+    kv = sizing.draft_kv_bytes_per_token(config, spec, s.kv_dtype, tp=s.tp)
+    weights = sizing.draft_weight_bytes_per_gpu(config, spec, s.weight_dtype, tp=s.tp)
+    estimate = " (an estimate: layers of the target's shape)" if spec.draft is None else ""
+    return [
+        f"draft        {spec.describe()}",
+        f"  + draft KV {format_bytes(kv)} ({kv:,} B) per token in the same pool{estimate}; weights "
+        f"{format_bytes(weights)}",
+        f"  lookahead  {spec.lookahead_slots} slots per running sequence ({spec.num_speculative_tokens} drafts "
+        f"verified + {spec.num_speculative_tokens} lookahead); KV per seq and total: the target's alone",
+    ]
 
 
 def _state_line(config: PretrainedConfig | str, spec: arch.ArchSpec, kv_dtype: str) -> list[str]:
@@ -384,6 +437,7 @@ def _add_size_arguments(size: argparse.ArgumentParser) -> None:
         type=_fraction,
         help="SGLang's --mem-fraction-static (default: SGLang's own choice for the GPU and TP size)",
     )
+    _add_speculative_arguments(size)
 
 
 def _add_explain_vllm_arguments(p: argparse.ArgumentParser) -> None:
@@ -453,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
             per_gpu = args.tp is not None or args.pp is not None
             if args.engine == "sglang" and args.gpu is None:
                 raise ValueError("--engine sglang sizes SGLang's pool on a GPU: give --gpu")
+            if args.engine == "sglang" and _speculation(args) is not None:
+                raise ValueError("--speculative sizes vLLM's budget only: drop --engine sglang")
             print(
                 size_report(
                     args.model,

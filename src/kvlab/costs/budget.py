@@ -28,6 +28,15 @@ of the CUDA-visible total; `Worker.determine_available_memory` runs `memory_prof
    kvlab's estimate: `cuda_graph_bytes`; none with `enforce_eager`;
 8. **block rounding**: the pool holds whole blocks of `block_size` tokens, and a sequence holds whole blocks.
 
+**Speculative decoding** (`speculative=K` with a `draft` model or `draft_layers`, an EAGLE-style head; the vLLM
+source read is cited in `kvlab.specs.sizing`'s speculative section): the drafter's weights are loaded before the
+profile run and subtracted beside the target's (`kvlab.specs.sizing.draft_weight_bytes_per_gpu`; an estimate for
+a head); its attention layers share the target's KV-cache groups, so a block holds target + draft layers
+(`kvlab.specs.sizing.draft_kv_bytes_per_token`) and the pool has fewer blocks; and each running sequence holds
+2K slots more (K drafts under verification, K lookahead: `kvlab.specs.sizing.speculative_slots`), capped at
+`max_model_len`. The drafter's own activation peak and graph captures are not counted, so with speculation the
+pool is no longer the lower bound described below.
+
 **When the pool is a bound.** `kv_pool_bytes` is a lower bound on vLLM 0.33's "Available KV cache memory" at
 the same settings when each estimated term (driver reserve, non-torch memory, activation peak, CUDA graphs) is
 at or above what vLLM measures and the weights are vLLM's. The estimates are chosen above every published
@@ -151,6 +160,15 @@ class MemoryBudget:
     cuda_graph_bytes: int = 0
     cuda_graph_source: str = "none counted"
     settings_note: str = ""  # the token budget and batch the estimates assume, and where they come from
+    # Speculative decoding (all 0 / empty when off): the drafter's weights, its share of `kv_bytes_per_token`,
+    # K, the slots a running sequence holds beyond its tokens, and the max_model_len that caps them.
+    draft_weight_bytes: int = 0
+    draft_weight_source: str = "none counted"
+    draft_kv_bytes_per_token: int = 0
+    draft_kv_source: str = ""
+    speculative_tokens: int = 0
+    lookahead_slots: int = 0
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -163,10 +181,21 @@ class MemoryBudget:
             "driver_reserved_bytes",
             "sampler_bytes",
             "cuda_graph_bytes",
+            "draft_weight_bytes",
+            "draft_kv_bytes_per_token",
+            "speculative_tokens",
+            "lookahead_slots",
         ):
             check_count(name, getattr(self, name), 0)
         for name in ("block_size", "kv_bytes_per_token"):
             check_count(name, getattr(self, name))
+        if self.max_model_len is not None:
+            check_count("max_model_len", self.max_model_len)
+        if self.draft_kv_bytes_per_token >= self.kv_bytes_per_token:
+            raise ValueError(
+                f"draft_kv_bytes_per_token ({self.draft_kv_bytes_per_token}) is part of kv_bytes_per_token "
+                f"({self.kv_bytes_per_token}) and must be smaller"
+            )
         if self.driver_reserved_bytes > self.capacity_bytes:
             raise ValueError(
                 f"driver_reserved_bytes ({self.driver_reserved_bytes}) exceeds the capacity ({self.capacity_bytes})"
@@ -203,6 +232,7 @@ class MemoryBudget:
             self.requested_bytes
             - self.runtime_bytes
             - self.weight_bytes
+            - self.draft_weight_bytes
             - self.peak_bytes
             - self.cuda_graph_bytes
         )
@@ -226,9 +256,24 @@ class MemoryBudget:
         """Whether the pool holds at least one block."""
         return self.num_blocks >= 1
 
+    @property
+    def target_kv_bytes_per_token(self) -> int:
+        """The target's own layers' bytes per token (`kv_bytes_per_token` less the drafter's)."""
+        return self.kv_bytes_per_token - self.draft_kv_bytes_per_token
+
+    def slots_per_sequence(self, context_len: int) -> int:
+        """Token slots one sequence of `context_len` tokens holds: its tokens, plus under speculation the
+        `lookahead_slots` vLLM allocates ahead, never past `max_model_len` (`KVCacheManager.allocate_slots`)."""
+        slots = check_count("context_len", context_len)
+        if self.lookahead_slots:
+            slots += self.lookahead_slots
+            if self.max_model_len is not None:
+                slots = min(slots, max(context_len, self.max_model_len))
+        return slots
+
     def blocks_per_sequence(self, context_len: int) -> int:
-        """Blocks one sequence of `context_len` tokens holds (the last one partly empty)."""
-        return -(-check_count("context_len", context_len) // self.block_size)
+        """Blocks one sequence of `context_len` tokens holds (the last one partly empty), lookahead included."""
+        return -(-self.slots_per_sequence(context_len) // self.block_size)
 
     def max_sequences(self, context_len: int) -> int:
         """How many sequences of `context_len` tokens the pool holds at once, in whole blocks (a lower bound
@@ -259,6 +304,10 @@ class MemoryBudget:
             ),
             row("- non-torch memory", self.runtime_bytes, self.runtime_source),
             row("- weights", self.weight_bytes, "parameters × bytes"),
+        ]
+        if self.speculative_tokens:
+            out.append(row("- draft weights", self.draft_weight_bytes, self.draft_weight_source))
+        out += [
             row("- activations", self.peak_bytes, self._peak_note()),
         ]
         if self.cuda_graph_bytes:
@@ -278,12 +327,28 @@ class MemoryBudget:
         ]
         if self.settings_note:
             out.append(f"  at {self.settings_note}")
+        if self.speculative_tokens:
+            out += self._speculative_lines()
         if context_len is not None:
+            extra = self.slots_per_sequence(context_len) - context_len
+            capped = " (capped at max_model_len)" if extra < self.lookahead_slots else ""
+            ahead = f" + {extra} speculative slots{capped}" if self.lookahead_slots else ""
             out.append(
                 f"  sequences that fit    {self.max_sequences(context_len):>11,}   of {format_tokens(context_len)} "
-                f"tokens ({self.blocks_per_sequence(context_len)} blocks each)"
+                f"tokens{ahead} ({self.blocks_per_sequence(context_len)} blocks each)"
             )
         return out
+
+    def _speculative_lines(self) -> list[str]:
+        k, cap = self.speculative_tokens, self.max_model_len
+        return [
+            f"  KV per token {self.kv_bytes_per_token:>15,} B   target {self.target_kv_bytes_per_token:,} B + "
+            f"draft {self.draft_kv_bytes_per_token:,} B ({self.draft_kv_source}; one pool, vLLM's shared KV-cache groups)",
+            f"  speculation  K={k}: {self.lookahead_slots} slots per running sequence ahead of its tokens ({k} drafts "
+            f"verified + {k} lookahead, vllm/v1/core/sched/scheduler.py)"
+            + (f", capped at max_model_len {cap:,}" if cap is not None else ""),
+            "  not counted  the drafter's own activation peak and graph captures (the pool is not a lower bound here)",
+        ]
 
     def _peak_note(self) -> str:
         if not self.sampler_bytes:
@@ -354,6 +419,9 @@ def memory_budget(
     max_model_len: int | None = None,
     enforce_eager: bool = False,
     estimate_cuda_graphs: bool = vllm_defaults.ESTIMATE_CUDA_GRAPHS,
+    speculative: int = 0,
+    draft: PretrainedConfig | str | None = None,
+    draft_layers: int = 0,
 ) -> MemoryBudget:
     """The budget of serving `config` on `gpu` (a spec-table name or entry) as vLLM 0.33.0 sizes it.
 
@@ -368,14 +436,27 @@ def memory_budget(
     deployment's: every GPU of a stage holds the same blocks. `enforce_eager` captures no CUDA graphs;
     `estimate_cuda_graphs=False` is `VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0` (and vLLM before 0.21, or v0):
     the graphs are captured but not charged to the pool.
+
+    `speculative=K` with a `draft` model (a registry name, id or config) or `draft_layers` (an EAGLE-style head
+    of that many layers of the target's attention shape): the drafter's weights and cache layers and the 2K
+    slots per running sequence enter the budget (see the module docstring); `max_model_len` (the model's limit
+    when None) caps a sequence's slots. `speculative=0` with no drafter is the budget without speculation.
     """
-    from kvlab.specs.sizing import kv_bytes_per_token, refuse_state, weight_bytes_per_gpu
+    from kvlab.specs.sizing import (
+        draft_kv_bytes_per_token,
+        draft_weight_bytes_per_gpu,
+        kv_bytes_per_token,
+        refuse_state,
+        speculation,
+        weight_bytes_per_gpu,
+    )
 
     spec = hardware.get(gpu) if isinstance(gpu, str) else gpu
     config = prepare(config)
     # vLLM gives Mamba and linear-attention state its own page size beside the KV blocks; this budget has KV
     # blocks only, so a state model's sequence count would be silently wrong.
     refuse_state(shape(config).spec, "kvlab's vLLM memory budget")
+    spec_decode = speculation(config, speculative, draft, draft_layers, tp, pp)
     if max_model_len is None and not enable_chunked_prefill:
         max_model_len = shape(config).max_context
     batch = vllm_defaults.batch_defaults(
@@ -405,14 +486,15 @@ def memory_budget(
         if enforce_eager or not estimate_cuda_graphs
         else cuda_graph_bytes(config, seqs, tokens, act_dtype, tp=tp)
     )
-    return MemoryBudget(
+    target_kv = kv_bytes_per_token(config, kv_dtype, tp=tp, pp=pp)
+    plain = MemoryBudget(
         capacity_bytes=spec.memory_bytes,
         gpu_memory_utilization=gpu_memory_utilization,
         runtime_bytes=non_torch_bytes(tp) if runtime_bytes is None else runtime_bytes,
         weight_bytes=weight_bytes_per_gpu(config, weight_dtype, tp=tp, pp=pp),
         activation_bytes=forward,
         block_size=block_size,
-        kv_bytes_per_token=kv_bytes_per_token(config, kv_dtype, tp=tp, pp=pp),
+        kv_bytes_per_token=target_kv,
         runtime_source=(
             f"estimate at TP={tp} (kvlab.costs.budget.non_torch_bytes)"
             if runtime_bytes is None
@@ -440,6 +522,30 @@ def memory_budget(
             )
         ),
     )
+    if spec_decode is None:
+        return plain
+    head = spec_decode.draft is None
+    draft_kv = draft_kv_bytes_per_token(config, spec_decode, kv_dtype, tp=tp)
+    return dataclasses.replace(
+        plain,
+        kv_bytes_per_token=target_kv + draft_kv,
+        draft_weight_bytes=draft_weight_bytes_per_gpu(config, spec_decode, weight_dtype, tp=tp),
+        draft_weight_source=(
+            f"estimate: {spec_decode.draft_layers} decoder layer(s) of the target's shape + fc, embedding and "
+            "lm_head shared (kvlab.specs.sizing.draft_weight_bytes_per_gpu)"
+            if head
+            else f"{spec_decode.draft_name}: parameters × bytes, at the target's tp"
+        ),
+        draft_kv_bytes_per_token=draft_kv,
+        draft_kv_source=(
+            f"estimate: {spec_decode.draft_layers} layer(s) of the target's attention shape"
+            if head
+            else f"{spec_decode.draft_name}'s layers, exact"
+        ),
+        speculative_tokens=spec_decode.num_speculative_tokens,
+        lookahead_slots=spec_decode.lookahead_slots,
+        max_model_len=max_model_len if max_model_len is not None else shape(config).max_context,
+    )
 
 
 @dataclass(frozen=True)
@@ -461,10 +567,17 @@ class BudgetSettings:
     max_model_len: int | None = None
     enforce_eager: bool = False
     estimate_cuda_graphs: bool = vllm_defaults.ESTIMATE_CUDA_GRAPHS
+    speculative: int = 0  # K speculative tokens; 0 is off
+    draft: str | None = None  # the draft model (vLLM's method "draft_model")
+    draft_layers: int = 0  # or an EAGLE-style head of this many layers of the target's shape
 
     def __post_init__(self) -> None:
         for name in ("block_size", "tp", "pp"):
             check_count(name, getattr(self, name))
+        for name in ("speculative", "draft_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) is not None:
                 check_count(name, getattr(self, name))

@@ -25,10 +25,19 @@ flight, each with its own scheduler, 1/pp of the KV pool and 1/pp of the load; a
 every stage (pp × the largest stage's time) plus pp - 1 hand-offs of its activations over the link. So PP adds
 latency per step and, with pp batches in flight, keeps every stage busy. Chapter: *Capacity planning*
 (book/14_capacity_planning).
+
+Speculative decoding (`speculative=K` with a `draft` model or `draft_layers`, an EAGLE-style head; settings of
+`kvlab.costs.budget.BudgetSettings`) enters the plan's memory only: the budget subtracts the drafter's weights, a
+block holds the drafter's layers too (fewer blocks in the pool the simulator gets), and a sequence's worst case
+holds 2K lookahead slots, capped at max_model_len = `context` as vLLM caps them (`kvlab.specs.sizing`'s
+speculative section cites vLLM's source). The step cost and the simulator stay those of plain decoding: one token
+per sequence per step, no draft forward and no verification of K + 1 tokens, no acceptance rate. The report says
+so; latencies and goodput are not speculative ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,7 +46,7 @@ from kvlab.costs import budget, roofline
 from kvlab.costs.workloads import TraceRequest, Workload, WorkloadError
 from kvlab.engine.metrics import SLO, RequestMetrics
 from kvlab.planning.simulate import SimulationResult, simulate
-from kvlab.specs import hardware, sizing
+from kvlab.specs import arch, hardware, sizing
 from kvlab.specs.arch import describe, resolve
 
 
@@ -195,6 +204,7 @@ class Plan:
     searched: list[tuple[int, float, bool]] = field(default_factory=list)  # (dp, attainment, met)
     pp: int = 1
     link_ms: float = 0.0  # TP all-reduce + PP hand-off time of a decode step of the mean batch
+    speculation: str = ""  # the speculative settings the memory was sized with ("" when off)
 
     @property
     def num_gpus(self) -> int:
@@ -221,6 +231,12 @@ class Plan:
             "prediction)",
             "modelled latencies (kvlab.planning.simulate on the realistic roofline cost; not measured):",
         ]
+        if self.speculation:
+            lines[-1:-1] = [
+                f"speculation  {self.speculation}: in the memory budget and the pool only; throughput and latencies "
+                "below are modelled WITHOUT speculation (one token per sequence per step, no draft forward, no "
+                "acceptance rate)",
+            ]
         for name, key in (("TTFT", "ttft"), ("ITL", "itl"), ("TPOT", "tpot"), ("E2EL", "e2el")):
             lines.append(
                 f"  {name:<5} p50 {s[f'p50_{key}_ms']:9.1f} ms   p95 {s[f'p95_{key}_ms']:9.1f} ms   "
@@ -294,11 +310,25 @@ def plan(
     max_gpus: int = 64,
     realism: roofline.Realism | None = None,
     allreduce_latency_s: float = 0.0,
+    speculative: int | None = None,
+    draft: str | None = None,
+    draft_layers: int | None = None,
 ) -> Plan:
     """Plan `model` on `gpu` (see the module docstring) at `settings` (vLLM's defaults when None: their tp and
     pp, dtypes and engine limits). `dp=None` searches the smallest data-parallel count (up to `max_gpus` GPUs in
-    all, tp × pp per replica) meeting `targets` at the workload's rate; a given `dp` is evaluated as is."""
+    all, tp × pp per replica) meeting `targets` at the workload's rate; a given `dp` is evaluated as is.
+    `speculative`, `draft` and `draft_layers`, when given, replace the settings' (memory only: see the module
+    docstring)."""
     settings = settings or budget.BudgetSettings()
+    try:
+        settings = dataclasses.replace(
+            settings,
+            speculative=settings.speculative if speculative is None else speculative,
+            draft=settings.draft if draft is None else draft,
+            draft_layers=settings.draft_layers if draft_layers is None else draft_layers,
+        )
+    except ValueError as err:
+        raise PlanError(str(err)) from None
     tp, pp, weight_dtype, kv_dtype = settings.tp, settings.pp, settings.weight_dtype, settings.kv_dtype
     if not isinstance(weight_dtype, str):
         raise PlanError(
@@ -317,7 +347,18 @@ def plan(
         sizing.check_parallel(describe(config), tp, pp)
     except ValueError as err:
         raise PlanError(str(err)) from None
-    mb = settings.memory_budget(config, acc)
+    try:
+        mb = settings.memory_budget(config, acc)
+    except (
+        arch.UnknownModelError,
+        ValueError,
+    ) as err:  # e.g. a draft kvlab cannot size, or K without a drafter
+        if not settings.speculative and settings.draft is None and not settings.draft_layers:
+            raise
+        raise PlanError(str(err)) from None
+    if mb.lookahead_slots:
+        # The planned engine's max_model_len is `context`: no sequence holds slots past it.
+        mb = dataclasses.replace(mb, max_model_len=context)
     # The simulated engine runs at the limits the budget was sized at: vLLM's choice for this GPU when unset.
     max_num_batched_tokens, max_num_seqs = settings.batch_limits(acc, config)
     layout = f"tp={tp}" + (f", pp={pp}" if pp > 1 else "")
@@ -444,6 +485,17 @@ def plan(
         searched=searched,
         pp=pp,
         link_ms=cost.link_seconds([1] * _mean_batch(result)) * 1e3,
+        speculation=_speculation(settings, mb),
+    )
+
+
+def _speculation(settings: budget.BudgetSettings, mb: budget.MemoryBudget) -> str:
+    if not mb.speculative_tokens:
+        return ""
+    drafter = settings.draft or f"an EAGLE-style head of {settings.draft_layers} layer(s)"
+    return (
+        f"K={mb.speculative_tokens} with {drafter} (draft weights {mb.draft_weight_bytes / 2**30:.2f} GiB, "
+        f"+{mb.draft_kv_bytes_per_token:,} B of KV per token, {mb.lookahead_slots} lookahead slots a sequence)"
     )
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvlab.checks import check_count
 from kvlab.specs.arch import ArchSpec, UnsupportedConfigError
-from kvlab.specs.shape import DType, prepare, shape, weight_groups
+from kvlab.specs.shape import DType, WeightGroup, prepare, shape, weight_groups
 from kvlab.units import dtype_bytes
 
 if TYPE_CHECKING:
@@ -236,20 +236,31 @@ def weight_bytes_per_stage(
             owners = [s for s, stage in enumerate(stages) if group.placement in stage]
         else:
             owners = owners_of[group.placement]
-        numel = group.elements
-        if group.sharding == "vocab":
-            share = numel if vocab_parallel else numel * tp
-        elif group.sharding == "replicated":
-            share = numel * tp
-        elif group.sharding == "kv":
-            share = numel * (
-                tp // kv_heads if tp > kv_heads else 1
-            )  # per rank: numel × max(1, kv // tp) / kv
-        else:
-            share = numel
+        share = _share_times_tp(group, tp, kv_heads, vocab_parallel)
         for owner in owners:
             per_stage[owner] += share
     return [math.ceil(elements * bits / (8 * tp)) for elements in per_stage]
+
+
+def _share_times_tp(group: WeightGroup, tp: int, kv_heads: int, vocab_parallel: bool = True) -> int:
+    """One rank's elements of `group`, times `tp` (to divide once): vLLM's sharding rules."""
+    numel = group.elements
+    if group.sharding == "vocab":
+        return numel if vocab_parallel else numel * tp
+    if group.sharding == "replicated":
+        return numel * tp
+    if group.sharding == "kv":
+        return numel * (tp // kv_heads if tp > kv_heads else 1)  # per rank: numel × max(1, kv // tp) / kv
+    return numel
+
+
+def _weight_bits(config: PretrainedConfig | str, dtype_or_bits: DType | int) -> int:
+    if isinstance(dtype_or_bits, int) and not isinstance(dtype_or_bits, bool):
+        weight_bytes(config, dtype_or_bits)  # validates the bit count
+        return dtype_or_bits
+    if isinstance(dtype_or_bits, bool):
+        raise ValueError(f"weight precision must be a dtype or a bit count, got {dtype_or_bits!r}")
+    return 8 * dtype_bytes(shape(config).dtype if dtype_or_bits is None else dtype_or_bits)
 
 
 def crossover_context(
@@ -345,3 +356,203 @@ def rank_inversions(sizes: list[ModelSize]) -> list[tuple[ModelSize, ModelSize]]
         for b in sizes
         if a.params < b.params and a.kv_bytes_per_token > b.kv_bytes_per_token
     ]
+
+
+# --- speculative decoding: the drafter's cache and weights, and the slots vLLM reserves ahead ---------------------
+#
+# Read from vLLM's source on GitHub (vllm-project/vllm main: vllm/config/speculative.py at 002e77c1f0ef,
+# vllm/v1/core/sched/scheduler.py at 00024d314514, vllm/v1/core/kv_cache_manager.py at 003df2961dd8; newer than
+# the 0.33.0 wheel the rest of kvlab reads, whose tree was not at hand, and unchanged in these rules since v1's
+# first speculative releases):
+#
+# - `SpeculativeConfig` (vllm/config/speculative.py): `num_speculative_tokens` (K, > 0), `method` (`draft_model`,
+#   `eagle`, `eagle3`, `mtp`, `ngram`, ...). The drafter's tensor-parallel size defaults to the target's
+#   (`_verify_and_get_draft_tp`) and its pipeline is one stage (`create_draft_parallel_config`); its KV dtype
+#   is the target's unless set. A draft model must have the target's vocabulary size
+#   (`verify_equal_vocab_size_if_draft_model`) unless `use_heterogeneous_vocab` is set.
+# - The drafter's attention layers (a draft model's, an EAGLE or MTP head's: `uses_draft_kv_cache`) register in
+#   the same forward context as the target's, so `GPUModelRunner.get_kv_cache_spec` returns them beside the
+#   target's and they join the same KV-cache groups: one block of the pool holds every layer's slots, and
+#   `get_num_blocks` (vllm/v1/core/kv_cache_utils.py) divides the memory by the page sizes of all layers. Per
+#   token, the pool pays target + draft layers.
+# - Lookahead (vllm/v1/core/sched/scheduler.py `Scheduler.__init__`): with an EAGLE-style method or a draft model,
+#   `num_lookahead_tokens = num_speculative_tokens`. A running request is scheduled `1 + K` new tokens (its last
+#   sampled token and the K unverified drafts, `num_tokens_with_spec`), and `KVCacheManager.allocate_slots` holds
+#   `min(computed + new + num_lookahead_tokens, max_model_len)` slots, in whole blocks: 2K slots beyond what the
+#   sequence would hold without speculation, never past `max_model_len`.
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding of a target with `num_speculative_tokens` (K) drafts a step.
+
+    The drafter is a separate `draft` model (vLLM's `method="draft_model"`) or, with `draft_layers`, an
+    EAGLE/MTP-style head of that many decoder layers of the target's own attention shape (`eagle`, `eagle3`,
+    `mtp`). `speculation` builds one after checking it."""
+
+    num_speculative_tokens: int
+    draft: PretrainedConfig | str | None = None
+    draft_layers: int = 0
+
+    @property
+    def method(self) -> str:
+        return "draft_model" if self.draft is not None else "eagle"
+
+    @property
+    def lookahead_slots(self) -> int:
+        """Slots a running sequence holds beyond its tokens: K drafts under verification + K lookahead."""
+        return speculative_slots(self.num_speculative_tokens)
+
+    @property
+    def draft_name(self) -> str:
+        if self.draft is None:
+            return f"an EAGLE-style head of {self.draft_layers} layer(s) of the target's shape"
+        return self.draft if isinstance(self.draft, str) else shape(self.draft).spec.name
+
+    def describe(self) -> str:
+        return f"K={self.num_speculative_tokens}, drafter {self.draft_name} (vLLM method {self.method})"
+
+
+def speculative_slots(num_speculative_tokens: int) -> int:
+    """Slots one running sequence holds beyond its own tokens under speculation with a drafter that keeps a
+    cache: the K unverified draft tokens scheduled with it plus vLLM's `num_lookahead_tokens` = K (see above)."""
+    return 2 * check_count("num_speculative_tokens", num_speculative_tokens, 0)
+
+
+def speculative_blocks_per_sequence(
+    context_len: int, num_speculative_tokens: int, block_size: int, max_model_len: int | None = None
+) -> int:
+    """Blocks one sequence of `context_len` tokens holds at its last step under speculation:
+    `ceil(min(context_len + 2K, max_model_len) / block_size)` (`KVCacheManager.allocate_slots`)."""
+    check_count("context_len", context_len)
+    check_count("block_size", block_size)
+    slots = context_len + speculative_slots(num_speculative_tokens)
+    if max_model_len is not None:
+        slots = min(slots, max(context_len, check_count("max_model_len", max_model_len)))
+    return -(-slots // block_size)
+
+
+def speculation(
+    config: PretrainedConfig | str,
+    num_speculative_tokens: int = 0,
+    draft: PretrainedConfig | str | None = None,
+    draft_layers: int = 0,
+    tp: int = 1,
+    pp: int = 1,
+) -> Speculation | None:
+    """The checked speculative settings for `config`, or None when speculation is off (K = 0, no drafter).
+
+    Raises a one-line ValueError for a negative K, a drafter without K (or K without a drafter), both a draft
+    model and `draft_layers`, a draft kvlab cannot size, one whose vocabulary differs from the target's (vLLM's
+    rule), one the target's `tp` cannot shard, or `pp > 1` (vLLM's drafter runs as one stage; kvlab does not
+    model where it lives)."""
+    if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int):
+        raise ValueError(f"speculative tokens (K) must be an integer >= 0, got {num_speculative_tokens!r}")
+    if num_speculative_tokens < 0:
+        raise ValueError(f"speculative tokens (K) must be >= 0, got {num_speculative_tokens}")
+    if isinstance(draft_layers, bool) or not isinstance(draft_layers, int) or draft_layers < 0:
+        raise ValueError(f"draft_layers must be an integer >= 0, got {draft_layers!r}")
+    if draft is not None and draft_layers:
+        raise ValueError("give a draft model or draft_layers (an EAGLE-style head), not both")
+    has_drafter = draft is not None or draft_layers > 0
+    if not num_speculative_tokens:
+        if has_drafter:
+            raise ValueError(
+                "a draft (--draft or draft_layers) needs speculative tokens: give --speculative K >= 1"
+            )
+        return None
+    if not has_drafter:
+        raise ValueError(
+            f"speculative decoding with K={num_speculative_tokens} needs a drafter: a draft model (--draft) or "
+            "draft_layers (an EAGLE-style head); n-gram speculation, which keeps no draft cache, is not modelled"
+        )
+    if pp > 1:
+        raise ValueError(f"speculative decoding at pp={pp}: kvlab sizes the drafter at pp=1 only")
+    target = shape(config)
+    if draft is None:
+        _head_layer(target.spec)  # raises when the target has no attention layer to copy
+        return Speculation(num_speculative_tokens, None, draft_layers)
+    label = draft if isinstance(draft, str) else "the draft config"
+    try:
+        drafted = shape(draft)
+    except (
+        KeyError,
+        ValueError,
+    ) as err:  # UnknownModelError is a KeyError, UnsupportedConfigError a ValueError
+        raise ValueError(f"draft {label} cannot be sized by kvlab: {err}") from None
+    refuse_state(drafted.spec, "kvlab's speculative sizing of a draft model")
+    if drafted.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"draft {drafted.spec.name} has a vocabulary of {drafted.vocab_size:,} tokens and the target "
+            f"{target.spec.name} {target.vocab_size:,}: vLLM needs the same vocabulary size "
+            "(SpeculativeConfig.verify_equal_vocab_size_if_draft_model)"
+        )
+    try:
+        check_parallel(drafted.spec, tp, 1)
+    except ValueError as err:
+        raise ValueError(f"draft {drafted.spec.name} at the target's tp={tp}: {err}") from None
+    return Speculation(num_speculative_tokens, prepare(draft), 0)
+
+
+def _head_layer(spec: ArchSpec) -> int:
+    """The target layer an EAGLE-style head copies: its last attention layer whose cache grows (full or MLA)."""
+    for index in range(spec.num_layers - 1, -1, -1):
+        layer = spec.layers[index]
+        if layer.max_cached_tokens is None and layer.elements_per_token and not layer.state_shape:
+            return index
+    raise UnsupportedConfigError(f"{spec.name} has no full-attention layer for an EAGLE-style head to copy")
+
+
+def draft_kv_bytes_per_token(
+    config: PretrainedConfig | str, spec: Speculation, dtype: DType = None, tp: int = 1
+) -> int:
+    """Bytes the drafter's layers add per token to the shared KV pool, on ONE GPU at `tp`, in the target's KV
+    dtype (vLLM's default for the drafter). A draft model: its own `kv_bytes_per_token`; an EAGLE-style head:
+    `draft_layers` × the per-token elements of the target's last full-attention layer (an estimate of the
+    head's shape: EAGLE and MTP heads copy the target's attention)."""
+    target, chosen = _spec_and_dtype(config, dtype)
+    if spec.draft is not None:
+        return kv_bytes_per_token(spec.draft, chosen, tp=tp)
+    layer = target.layers[_head_layer(target)]
+    return spec.draft_layers * layer.elements_per_token_per_rank(tp) * dtype_bytes(chosen)
+
+
+def speculative_kv_bytes_per_token(
+    config: PretrainedConfig | str,
+    num_speculative_tokens: int,
+    draft: PretrainedConfig | str | None = None,
+    draft_layers: int = 0,
+    dtype: DType = None,
+    tp: int = 1,
+    pp: int = 1,
+) -> int:
+    """Per-token bytes of the pool vLLM shares between the target and its drafter: `kv_bytes_per_token` +
+    `draft_kv_bytes_per_token` (just the target's when speculation is off)."""
+    spec = speculation(config, num_speculative_tokens, draft, draft_layers, tp, pp)
+    own = kv_bytes_per_token(config, dtype, tp, pp)
+    return own if spec is None else own + draft_kv_bytes_per_token(config, spec, dtype, tp)
+
+
+def draft_weight_bytes_per_gpu(
+    config: PretrainedConfig | str, spec: Speculation, dtype_or_bits: DType | int = None, tp: int = 1
+) -> int:
+    """Weight bytes the drafter adds to ONE GPU at the target's `tp` (vLLM's default draft TP).
+
+    A draft model: `weight_bytes_per_gpu` of it, in `dtype_or_bits` when that is a dtype and in its own dtype
+    when it is a bit count (vLLM quantizes a drafter only when its own `quantization` is set). An EAGLE-style
+    head, an estimate: `draft_layers` copies of the target's last full-attention decoder layer (sharded as
+    vLLM shards the target's) and the fc that fuses the target's hidden state with the embedding, `2 × hidden²`
+    whole on every rank (EAGLE's; EAGLE-3's wider fc and own small lm_head are not counted); the embedding and
+    lm_head are the target's, shared as vLLM shares them."""
+    own_dtype = (
+        dtype_or_bits if not isinstance(dtype_or_bits, int) or isinstance(dtype_or_bits, bool) else None
+    )
+    if spec.draft is not None:
+        return weight_bytes_per_gpu(spec.draft, own_dtype, tp=tp)
+    target = shape(config)
+    index = _head_layer(target.spec)
+    bits = _weight_bits(config, own_dtype)
+    kv_heads = target.spec.kv_heads or 1
+    layer = sum(_share_times_tp(g, tp, kv_heads) for g in weight_groups(config) if g.placement == index)
+    fc = 2 * target.hidden_size * target.hidden_size * tp  # replicated
+    return math.ceil((spec.draft_layers * layer + fc) * bits / (8 * tp))
