@@ -5,6 +5,7 @@ import pytest
 
 from kvlab import cli
 from kvlab.costs import budget
+from kvlab.specs import arch
 
 
 def test_size_report(capsys):
@@ -189,3 +190,22 @@ def test_plan_bad_input(capsys, argv, message):
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1]
+
+
+def test_models_groups_the_registry_by_what_holds_the_cache(capsys):
+    assert cli.main(["models"]) == 0
+    out = capsys.readouterr().out
+    groups: dict[str, list[str]] = {}
+    header = ""
+    for line in out.splitlines():
+        if line.startswith("  "):
+            groups[header].append(line.strip())
+        else:
+            header = line.rstrip(":").rsplit(" (", 1)[0]
+            groups[header] = []
+    assert sorted(n for names in groups.values() for n in names) == sorted(arch.registry())
+    assert "meta-llama/Llama-3.1-8B" in groups["full, GQA"]
+    assert "meta-llama/Llama-2-7b-hf" in groups["full, MHA"]
+    assert "deepseek-ai/DeepSeek-V3" in groups["MLA latent"]
+    assert "google/gemma-2-9b" in groups["sliding window + full, GQA"]
+    assert "mistralai/Mistral-7B-v0.1" in groups["sliding window, GQA"]

@@ -467,9 +467,24 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
         "a vLLM start-up log's memory budget, term by term, beside kvlab's",
         _add_explain_vllm_arguments,
     ),
-    "models": ("list the offline registry", lambda p: None),
+    "models": ("list the offline registry, grouped by what holds each model's cache", lambda p: None),
     "sweep": ("run a lab over a parameter grid; glued scalars to CSV", sweep.add_arguments),
 }
+
+
+def models_report() -> str:
+    """The offline registry grouped by what holds each model's cache: the kinds of layer, then how query heads
+    share KV heads (from the stored shapes, so no model is loaded)."""
+    groups: dict[str, list[str]] = {}
+    for name in arch.registry():
+        spec = shape.shape(name).spec
+        # MLA names itself in the layer mix; a model without attention has no head sharing to name
+        heads = "" if spec.attention_type in ("MLA", "none") else f", {spec.attention_type}"
+        groups.setdefault(spec.layer_mix + heads, []).append(name)
+    return "\n".join(
+        f"{kind} ({len(names)}):\n" + "\n".join(f"  {name}" for name in names)
+        for kind, names in sorted(groups.items())
+    )
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -491,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "sweep":
             return sweep.main(args)
         if args.command == "models":
-            print("\n".join(arch.registry()))
+            print(models_report())
         elif args.command == "diagnose":
             from kvlab.planning import diagnose
 

@@ -198,6 +198,15 @@ class ArchSpec:
         return any(layer.max_cached_tokens is None for layer in self.layers)
 
     @property
+    def layer_mix(self) -> str:
+        """Which kinds of layer hold the cache, in a fixed order: "full", "sliding + full", "state + full", ...
+        (layers that keep nothing are left out)."""
+        names = {"full": "full", "sliding": "sliding window", "mla": "MLA latent", "state": "state",
+                 "hybrid": "attention + state in one layer"}  # fmt: skip
+        present = {layer.kind for layer in self.layers}
+        return " + ".join(names[k] for k in ("state", "hybrid", "sliding", "mla", "full") if k in present)
+
+    @property
     def attention_type(self) -> str:
         """MHA, GQA, MQA or MLA, by how query heads share KV heads ("none" for a model without attention)."""
         if "mla" in self.kinds:
