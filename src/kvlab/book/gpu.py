@@ -33,6 +33,7 @@ from kvlab.book.sweep import (
     _atomic_write,
     _jsonable,
     _one_line,
+    _parameters_checked,
     _require,
     glued_scalars,
     notebook_parameters,
@@ -156,14 +157,16 @@ def run_labs(
         record: dict[str, Any] = {"chapter": chapter, "parameters": values, "provenance": prov}
         start = time.perf_counter()
         try:
-            papermill.execute_notebook(
-                str(lab),
-                str(executed),
-                parameters=values,
-                cwd=str(lab.parent),
-                kernel_name=kernel,
-                progress_bar=False,
-            )
+            # load_params checked every name against the lab's parameters cell: papermill's warnings would repeat it
+            with _parameters_checked():
+                papermill.execute_notebook(
+                    str(lab),
+                    str(executed),
+                    parameters=values,
+                    cwd=str(lab.parent),
+                    kernel_name=kernel,
+                    progress_bar=False,
+                )
         except Exception as err:
             record |= {"status": "failed", "error": _one_line(err), "values": {}}
         else:
