@@ -47,6 +47,12 @@ def bench(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, bl
     def contiguous():
         F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
+    # The query heads of one KV head as its query rows, the way the paged decode calls SDPA
+    grouped_q = q.view(batch, kv_heads, heads // kv_heads, head_dim)
+
+    def grouped():
+        F.scaled_dot_product_attention(grouped_q, k, v)
+
     def paged():
         paged_attention_forward(module, query_flat, new_k, new_v, None, paged_context=ctx)
 
@@ -54,7 +60,7 @@ def bench(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, bl
     out_contig = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)[:, :, 0]
     error = (out_paged - out_contig).abs().max().item()
     times = {}
-    for name, fn in (("contiguous", contiguous), ("paged", paged)):
+    for name, fn in (("contiguous", contiguous), ("grouped", grouped), ("paged", paged)):
         times[name] = percentiles(time_call(fn, "cpu", repeat=repeat, warmup=2), (50,))["p50"]
     return times, error
 
@@ -74,15 +80,20 @@ def main() -> None:
     print(
         f"decode attention, one layer, {args.heads} heads / {args.kv_heads} KV heads × {args.head_dim}, fp32"
     )
+    print("contig: SDPA with enable_gqa; grouped: SDPA with each KV head's query heads as its query rows")
     print(
-        f"{'batch':>5} {'context':>7} {'contig ms':>10} {'paged ms':>9} {'paged/contig':>12} {'max err':>9}"
+        f"{'batch':>5} {'context':>7} {'contig ms':>10} {'grouped ms':>10} {'paged ms':>9} "
+        f"{'paged/contig':>12} {'paged/grouped':>13} {'max err':>9}"
     )
     for batch, context in [(1, 512), (8, 512), (8, 2048), (32, 1024)]:
         times, error = bench(
             batch, context, args.heads, args.kv_heads, args.head_dim, args.block_size, args.repeat
         )
-        c, p = times["contiguous"] * 1e3, times["paged"] * 1e3
-        print(f"{batch:>5} {context:>7} {c:>10.3f} {p:>9.3f} {p / c:>12.2f} {error:>9.1e}")
+        c, g, p = (times[name] * 1e3 for name in ("contiguous", "grouped", "paged"))
+        print(
+            f"{batch:>5} {context:>7} {c:>10.3f} {g:>10.3f} {p:>9.3f} {p / c:>12.2f} {p / g:>13.2f}"
+            f" {error:>9.1e}"
+        )
 
 
 if __name__ == "__main__":

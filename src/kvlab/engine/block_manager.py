@@ -437,7 +437,7 @@ class BlockManager:
             # One full-attention table, the common decode step: the tokens stay inside its blocks, and no block
             # fills that an earlier step has not published already (each step publishes what it fills).
             bs = self.block_size
-            if end <= len(seq.block_tables[0]) * bs and (
+            if blocks_for(end, bs) <= len(seq.block_tables[0]) and (
                 not self.enable_prefix_caching or end // bs == start // bs
             ):
                 return True
