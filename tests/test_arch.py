@@ -27,7 +27,7 @@ INDEX = json.loads((CONFIGS / "index.json").read_text())["models"]
 
 # What the chapters read off each published config: layers, query heads, KV heads (1 for MLA's shared latent),
 # head dim (MLA: nope + rope), hidden size, vocab, the config's dtype, and the layer kinds with their windows.
-FULL, MLA = "full", "mla"
+FULL, MLA, STATE, NONE = "full", "mla", "state", "none"
 EXPECTED = {
     "meta-llama/Llama-2-7b-hf": (32, 32, 32, 128, 4096, 32000, "float16", {FULL: 32}),
     "meta-llama/Llama-2-13b-hf": (40, 40, 40, 128, 5120, 32000, "float16", {FULL: 40}),
@@ -50,8 +50,39 @@ EXPECTED = {
     "deepseek-ai/DeepSeek-V2-Lite": (27, 16, 1, 192, 2048, 102400, "bfloat16", {MLA: 27}),
     "deepseek-ai/DeepSeek-V3": (61, 128, 1, 192, 7168, 129280, "bfloat16", {MLA: 61}),
     "TinyLlama/TinyLlama-1.1B-Chat-v1.0": (22, 32, 4, 64, 2048, 32000, "bfloat16", {FULL: 22}),
+    # Added for kvlab issue 25 (items 2 and 6). gpt-oss declares no torch_dtype: config_dtype falls back to bf16.
+    "openai/gpt-oss-20b": (24, 64, 8, 64, 2880, 201088, "bf16", {128: 12, FULL: 12}),
+    "openai/gpt-oss-120b": (36, 64, 8, 64, 2880, 201088, "bf16", {128: 18, FULL: 18}),
+    "mistralai/Mixtral-8x22B-v0.1": (56, 48, 8, 128, 6144, 32000, "bfloat16", {FULL: 56}),
+    "Qwen/Qwen3-30B-A3B": (48, 32, 4, 128, 2048, 151936, "bfloat16", {FULL: 48}),
+    "deepseek-ai/DeepSeek-R1": (61, 128, 1, 192, 7168, 129280, "bfloat16", {MLA: 61}),
+    "Qwen/Qwen3-Next-80B-A3B-Thinking": (48, 16, 2, 256, 2048, 151936, "bfloat16", {STATE: 36, FULL: 12}),
+    "nvidia/Nemotron-H-56B-Base-8K": (
+        118,
+        64,
+        8,
+        128,
+        8192,
+        131072,
+        "bfloat16",
+        {STATE: 54, NONE: 54, FULL: 10},
+    ),
+    "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": (
+        52,
+        32,
+        2,
+        128,
+        2688,
+        131072,
+        "bfloat16",
+        {STATE: 23, NONE: 23, FULL: 6},
+    ),
 }
-MLA_RANKS = {"deepseek-ai/DeepSeek-V2-Lite": (None, 512, 64), "deepseek-ai/DeepSeek-V3": (1536, 512, 64)}
+MLA_RANKS = {
+    "deepseek-ai/DeepSeek-V2-Lite": (None, 512, 64),
+    "deepseek-ai/DeepSeek-V3": (1536, 512, 64),
+    "deepseek-ai/DeepSeek-R1": (1536, 512, 64),
+}
 STATUSES = {"verbatim", "content-verified", "reconstructed, not verified verbatim"}
 
 

@@ -28,6 +28,14 @@ def test_tiny_model_dtype_and_device():
         (dict(family="llama", layers=0), "layers"),
         (dict(family="llama", window=8), "no sliding-window"),
         (dict(family="gpt2", kv_heads=2), "multi-head attention only"),
+        (dict(family="qwen3_next", layers=3, layer_types=["linear_attention"]), "1 entries for layers=3"),
+        (dict(family="nemotron_h", layers=1, layer_types=["mamba"]), "nemotron_h layer types"),
+        (dict(family="gpt_oss", layers=1, layer_types=["sliding_attention"]), "need a window"),
+        (dict(family="qwen3_moe", window=8), "no sliding-window"),
+        (
+            dict(family="qwen3_next", layers=1, layer_types=["linear_attention"]),
+            "at least one full_attention",
+        ),
     ],
 )
 def test_tiny_config_rejects_bad_knobs(kwargs, match):
@@ -63,6 +71,51 @@ def test_cache_inventory_lists_only_k_and_v():
     rows = measure.cache_inventory(cache)
     assert {r.name for r in rows} == {"keys", "values"} and len(rows) == 6
     assert all(r.shape == (2, 2, 5, 8) for r in rows)
+
+
+@pytest.mark.parametrize(
+    "family, knobs, types",
+    [
+        ("gpt_oss", dict(window=4), ["sliding_attention", "full_attention", "sliding_attention"]),
+        ("gpt_oss", {}, ["full_attention"] * 3),
+        ("qwen3_next", {}, ["linear_attention", "linear_attention", "full_attention"]),
+        ("nemotron_h", {}, ["linear_attention", "moe", "full_attention"]),
+    ],
+)
+def test_tiny_config_default_layer_patterns(family, knobs, types):
+    config = models.tiny_config(family, layers=3, **knobs)
+    assert list(config.layer_types) == types and config.num_hidden_layers == 3
+    # Too few layers for the whole pattern: still one full-attention layer (transformers needs one).
+    assert list(models.tiny_config(family, layers=1, **knobs).layer_types) == [types[-1]]
+
+
+def test_cache_inventory_and_bytes_count_state_tensors():
+    # Qwen3-Next: gated-DeltaNet layers keep a conv and a recurrent state (in dicts of transformers'
+    # LinearAttentionLayer) beside the full-attention layer's K and V; all of it is the cache.
+    config = models.tiny_config("qwen3_next", layers=2, hidden=32, heads=4, kv_heads=2)
+    model = models.tiny_model(config=config, device="cpu")
+    with torch.inference_mode():
+        cache = model(torch.randint(0, 256, (2, 5)), use_cache=True).cache
+    rows = measure.cache_inventory(cache)
+    assert [(r.layer, r.name) for r in rows] == [
+        (0, "conv_states[0]"),
+        (0, "recurrent_states[0]"),
+        (1, "keys"),
+        (1, "values"),
+    ]
+    assert all(r.is_state for r in rows)
+    kv = 2 * 2 * 2 * 5 * 8 * 4  # K and V: batch 2, 2 KV heads, 5 tokens, head_dim 8, fp32
+    assert measure.cache_tensor_bytes(cache) == sizing.kv_cache_bytes(config, 5, 2, torch.float32)
+    assert measure.cache_tensor_bytes(cache) == sum(r.nbytes for r in rows) > kv
+
+
+def test_sliding_window_bookkeeping_is_not_counted():
+    model = models.tiny_model("gpt_oss", layers=2, hidden=32, heads=4, kv_heads=2, window=4)
+    with torch.inference_mode():
+        cache = model(torch.randint(0, 256, (1, 10)), use_cache=True).cache
+    rows = measure.cache_inventory(cache)
+    assert [r.name for r in rows if not r.is_state] == ["_sliding_window_tensor"]
+    assert measure.cache_tensor_bytes(cache) == sizing.kv_cache_bytes(model.config, 10, 1, torch.float32)
 
 
 def test_sliding_window_view_holds_more_storage_than_it_shows():

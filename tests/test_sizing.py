@@ -57,10 +57,66 @@ def test_every_registry_model_scaled_down_matches(name):
     spec_full, spec_tiny = arch.describe(name), arch.describe(config)
     assert spec_full.attention_type == spec_tiny.attention_type
     assert set(spec_full.kinds) == set(spec_tiny.kinds)
+    full_types = getattr(arch.get(name).get_text_config(decoder=True), "layer_types", None)
+    if config.model_type in models._PATTERN_FAMILIES:
+        # Every layer type of the real model (Nemotron-H: Mamba-2, attention, MLP or MoE), in its order.
+        assert set(config.layer_types) == set(full_types)
     for seq_len in (1, 7, 8, 9, 30):
         assert _forward_cache_bytes(config, seq_len, 2) == sizing.kv_cache_bytes(
             config, seq_len, 2, torch.float32
         )
+
+
+# The scaled-down layer patterns of the families that list their layer types, shortened to 6 layers.
+S, F, M, N, E = "sliding_attention", "full_attention", "linear_attention", "mlp", "moe"
+SCALED_PATTERNS = {
+    "openai/gpt-oss-20b": [S, F, S, F, S, F],
+    "openai/gpt-oss-120b": [S, F, S, F, S, F],
+    "Qwen/Qwen3-Next-80B-A3B-Thinking": [M, M, M, F, M, M],
+    # M-M-M-M*-...: its first attention layer is the 8th; the 6 keep it, after the first five.
+    "nvidia/Nemotron-H-56B-Base-8K": [M, N, M, N, M, F],
+    "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": [M, E, M, E, M, F],
+}
+
+
+@pytest.mark.parametrize("name", SCALED_PATTERNS)
+def test_scaled_down_keeps_the_layer_pattern(name):
+    config = models.scaled_down(name)
+    assert list(config.layer_types) == SCALED_PATTERNS[name]
+    assert config.num_hidden_layers == 6
+    if config.model_type == "gpt_oss":
+        assert config.sliding_window == 16
+
+
+def test_shorten_pattern_keeps_every_type_in_order():
+    assert models.shorten_pattern(["a", "b", "a", "b", "c", "a"], 4) == ["a", "b", "a", "c"]
+    assert models.shorten_pattern(["a", "a", "a", "b"], 2) == ["a", "b"]
+    # Fewer layers than types: the earliest types.
+    assert models.shorten_pattern(["a", "b", "c"], 2) == ["a", "b"]
+    with pytest.raises(ValueError, match="positive"):
+        models.shorten_pattern(["a"], 0)
+    with pytest.raises(ValueError, match="3 layer types; pass layers >= 3"):
+        models.scaled_down("nvidia/Nemotron-H-56B-Base-8K", layers=2)
+
+
+def test_chapter_2_lab_parity_for_every_registry_model():
+    # book/02_sizing/lab.ipynb with its CPU defaults: a scaled-down model of every registry model, seeded ids,
+    # the cache after a prefill measured (K/V and state tensors) and predicted to the byte.
+    seq_lens, window, batch, seed = [1, 7, 15, 16, 17, 40, 96], 16, 2, 0
+    mismatches = []
+    for name in arch.registry():
+        config = models.scaled_down(name, window=window)
+        model = models.tiny_model(config=config, seed=seed, device="cpu")
+        for seq_len in seq_lens:
+            generator = torch.Generator().manual_seed(seed)
+            ids = torch.randint(0, config.vocab_size, (batch, seq_len), generator=generator)
+            with torch.inference_mode():
+                cache = model(ids, use_cache=True).cache
+            predicted = sizing.kv_cache_bytes(config, seq_len, batch, torch.float32)
+            measured = measure.cache_tensor_bytes(cache)
+            if predicted != measured:
+                mismatches.append((name, seq_len, predicted, measured))
+    assert not mismatches, mismatches
 
 
 def test_bf16_cache_matches_too():

@@ -432,7 +432,8 @@ REGISTRY_BEFORE = {
 
 
 def test_registry_models_are_unchanged():
-    assert set(REGISTRY_BEFORE) == set(arch.registry())
+    # The registry has grown since (issue 25, items 2 and 6): these 21 are still in it, and still unchanged.
+    assert set(REGISTRY_BEFORE) <= set(arch.registry())
     for name, before in REGISTRY_BEFORE.items():
         assert sizing.kv_cache_bytes(name, 1000, 3, "bf16") == before
         assert sizing.state_bytes_per_sequence(name) == 0

@@ -44,6 +44,8 @@ else:
 @dataclass(frozen=True)
 class CacheTensor:
     layer: int
+    # The attribute that holds it; a tensor inside a dict or list attribute is named `attribute[key]`
+    # (a linear-attention layer's `conv_states[0]`, `recurrent_states[0]`)
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -51,11 +53,16 @@ class CacheTensor:
     nbytes: int
     # Bytes of the storage behind it (can exceed nbytes for a sliced view)
     storage_nbytes: int
-    # True for the K/V states; False for bookkeeping such as a window-size scalar
+    # True for what the cache keeps per sequence: K/V and the conv and recurrent state of state layers; False for
+    # bookkeeping such as the 0-d integer window size of a sliding layer
     is_state: bool
 
 
+# The attributes of a transformers cache layer that hold K/V (`cache_tensor_bytes` counts every tensor, these
+# and state alike; the names are kept for readers of the inventory).
 _STATE_NAMES = ("keys", "values")
+# How deep `_cache_tensors` follows containers and plain objects inside one layer.
+_MAX_DEPTH = 6
 
 
 def _layers(cache: Any) -> list[Any]:
@@ -67,44 +74,84 @@ def _layers(cache: Any) -> list[Any]:
     raise TypeError(f"cannot read a cache of type {type(cache).__name__}; expected a transformers Cache")
 
 
-def cache_inventory(cache: Any) -> list[CacheTensor]:
-    """Every tensor the cache object keeps, layer by layer, with shape, dtype and bytes."""
-    rows = []
+def _walk(obj: Any, name: str, seen: set[int], depth: int) -> Iterable[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor reachable from `obj` through dicts, lists, tuples and plain objects."""
+    if id(obj) in seen or depth > _MAX_DEPTH:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != "meta":
+            yield name, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _walk(value, f"{name}[{key}]", seen, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for key, value in enumerate(obj):
+            yield from _walk(value, f"{name}[{key}]", seen, depth + 1)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module, torch.device, torch.dtype)):
+        for key, value in vars(obj).items():
+            yield from _walk(value, f"{name}.{key}" if name else key, seen, depth + 1)
+
+
+def _cache_tensors(cache: Any) -> list[tuple[int, str, torch.Tensor]]:
+    """(layer, name, tensor) for every tensor each layer of the cache holds, each tensor object once: K and V,
+    the conv and recurrent states of a linear-attention (Mamba, gated-DeltaNet) layer, bookkeeping scalars."""
+    seen: set[int] = set()
+    rows: list[tuple[int, str, torch.Tensor]] = []
     for index, layer in enumerate(_layers(cache)):
         attributes = layer if isinstance(layer, dict) else vars(layer)
-        for name, value in attributes.items():
-            if isinstance(value, torch.Tensor) and value.device.type != "meta":
-                rows.append(
-                    CacheTensor(
-                        layer=index,
-                        name=name,
-                        shape=tuple(value.shape),
-                        dtype=value.dtype,
-                        nbytes=value.numel() * value.element_size(),
-                        storage_nbytes=value.untyped_storage().nbytes(),
-                        is_state=name in _STATE_NAMES,
-                    )
-                )
+        for attribute, value in attributes.items():
+            rows.extend((index, name, tensor) for name, tensor in _walk(value, attribute, seen, 0))
     return rows
 
 
-def cache_tensor_bytes(cache: Any, storage: bool = False) -> int:
-    """Bytes of the K/V state tensors a cache holds.
+def _is_state(tensor: torch.Tensor) -> bool:
+    # A 0-d integer (a sliding layer's window size) is bookkeeping; everything else is K/V or state.
+    return not (tensor.dim() == 0 and not tensor.is_floating_point())
 
-    `storage=True` counts the storages behind them instead: a sliding-window layer's tensor can be a view into a
-    larger buffer until the next update, so the allocator can hold more than the cache logically needs.
+
+def cache_inventory(cache: Any) -> list[CacheTensor]:
+    """Every tensor the cache object keeps, layer by layer, with shape, dtype and bytes: K and V, and the conv
+    and recurrent state tensors of state layers (in dict attributes such as `conv_states`, named `conv_states[0]`)."""
+    return [
+        CacheTensor(
+            layer=index,
+            name=name,
+            shape=tuple(tensor.shape),
+            dtype=tensor.dtype,
+            nbytes=tensor.numel() * tensor.element_size(),
+            storage_nbytes=tensor.untyped_storage().nbytes(),
+            is_state=_is_state(tensor),
+        )
+        for index, name, tensor in _cache_tensors(cache)
+    ]
+
+
+def cache_tensor_bytes(cache: Any, storage: bool = False) -> int:
+    """Bytes of every K/V and state tensor a cache holds (0-d integer bookkeeping excluded).
+
+    Attention layers' K and V, and the fixed-size conv and recurrent states of state layers (Mamba-2, gated
+    DeltaNet: transformers' `LinearAttentionLayer`) alike: what `kvlab.specs.sizing.kv_cache_bytes` predicts.
+    A tensor region held twice is counted once. `storage=True` counts the storages behind them instead, each
+    storage once: a sliding-window layer's tensor can be a view into a larger buffer until the next update, so
+    the allocator can hold more than the cache logically needs.
     """
-    rows = [row for row in cache_inventory(cache) if row.is_state]
-    if not storage:
-        return sum(row.nbytes for row in rows)
-    # Shared storages (K and V cut from one buffer) are counted once.
-    seen: dict[tuple[int, int], int] = {}
-    for layer in _layers(cache):
-        for name in _STATE_NAMES:
-            tensor = layer[name] if isinstance(layer, dict) else getattr(layer, name, None)
-            if isinstance(tensor, torch.Tensor):
-                st = tensor.untyped_storage()
-                seen[(st.data_ptr(), st.nbytes())] = st.nbytes()
+    tensors = [tensor for _, _, tensor in _cache_tensors(cache) if _is_state(tensor)]
+    seen: dict[tuple[Any, ...], int] = {}
+    for tensor in tensors:
+        st = tensor.untyped_storage()
+        if storage:
+            # Shared storages (K and V cut from one buffer) are counted once.
+            seen[(str(tensor.device), st.data_ptr(), st.nbytes())] = st.nbytes()
+        else:
+            region = (
+                str(tensor.device),
+                st.data_ptr(),
+                tensor.storage_offset(),
+                tuple(tensor.shape),
+                tensor.stride(),
+            )
+            seen[region] = tensor.numel() * tensor.element_size()
     return sum(seen.values())
 
 

@@ -7,9 +7,11 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,13 +21,54 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from kvlab.env import pick_device
 
+
+class _ReferenceKernelNotice(logging.Filter):
+    """Drops transformers' notice that a Mamba-2 or gated-DeltaNet layer runs its reference PyTorch kernel
+    (`integrations/hub_kernels.py`): kvlab's tiny models run on CPU to count cache bytes, which that path
+    computes correctly, and the optional CUDA kernel packages are not kvlab's to install."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "falling back to its reference PyTorch implementation" not in record.getMessage()
+
+
+logging.getLogger("transformers.integrations.hub_kernels").addFilter(_ReferenceKernelNotice())
+
 FAMILIES = (
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3",
     "falcon", "opt", "gpt2", "deepseek_v2", "deepseek_v3",
+    "gpt_oss", "qwen3_moe", "qwen3_next", "nemotron_h",
 )  # fmt: skip
-_SLIDING_FAMILIES = {"mistral", "mixtral", "qwen2", "gemma2", "gemma3_text", "phi3"}
+_SLIDING_FAMILIES = {"mistral", "mixtral", "qwen2", "gemma2", "gemma3_text", "phi3", "gpt_oss"}
 _MHA_ONLY = {"opt", "gpt2"}
-_HEAD_DIM_FAMILIES = {"llama", "mistral", "mixtral", "qwen3", "gemma2", "gemma3_text"}
+_HEAD_DIM_FAMILIES = {
+    "llama", "mistral", "mixtral", "qwen3", "gemma2", "gemma3_text", "gpt_oss", "qwen3_moe", "qwen3_next",
+    "nemotron_h",
+}  # fmt: skip
+# Families whose config lists each layer's type (Nemotron-H calls the list `layers_block_type`): `tiny_config`
+# takes that list as `layer_types`, and `scaled_down` shortens the registry model's own list.
+_PATTERN_FAMILIES = {"gpt_oss", "qwen3_next", "nemotron_h"}
+# Each family's layer types, repeated, when `layer_types` is not given: gpt-oss alternates sliding and full
+# attention (all full without a window), Qwen3-Next puts full attention after every 3 gated-DeltaNet layers,
+# Nemotron-H mixes Mamba-2, MoE, attention and MLP layers (transformers' default NemotronHConfig pattern).
+_DEFAULT_PATTERNS = {
+    "qwen3_next": ("linear_attention", "linear_attention", "linear_attention", "full_attention"),
+    "nemotron_h": ("linear_attention", "moe", "full_attention", "mlp"),
+}
+
+
+def shorten_pattern(layer_types: Sequence[str], layers: int) -> list[str]:
+    """`layers` of `layer_types`, in their order: the first layer of each type, then the earliest others.
+
+    Every type the full list has is kept while `layers` allows (the earliest-appearing types first), so a
+    Nemotron-H list that attends first in its 8th layer still attends within 6.
+    """
+    if layers <= 0:
+        raise ValueError(f"layers must be a positive integer, got {layers!r}")
+    firsts = {kind: layer_types.index(kind) for kind in dict.fromkeys(layer_types)}
+    chosen = sorted(firsts.values())[:layers]
+    rest = [i for i in range(len(layer_types)) if i not in chosen]
+    chosen = sorted(chosen + rest[: layers - len(chosen)])
+    return [layer_types[i] for i in chosen]
 
 
 def tiny_config(
@@ -42,13 +85,19 @@ def tiny_config(
     max_positions: int = 4096,
     latent: int = 32,
     rope_dim: int = 8,
+    layer_types: Sequence[str] | None = None,
     **overrides: Any,
 ) -> PretrainedConfig:
     """A small config of a real architecture family.
 
     `kv_heads` defaults to `heads` (MHA). `window` turns on sliding-window attention for the families that have
     it (for Gemma 2 and 3, on their local layers only). `latent` and `rope_dim` are MLA's kv_lora_rank and
-    qk_rope_head_dim (DeepSeek families). Any other config field can be set through `overrides`.
+    qk_rope_head_dim (DeepSeek families). `layer_types` sets each layer's type in gpt_oss ("sliding_attention",
+    "full_attention"), qwen3_next ("linear_attention": gated DeltaNet, "full_attention") and nemotron_h
+    ("linear_attention": Mamba-2, "full_attention", "mlp", "moe"); without it those families repeat their
+    usual pattern (gpt_oss: sliding then full when `window` is set, else all full; qwen3_next and nemotron_h
+    always keep a full-attention layer, which transformers needs). Any other config field can
+    be set through `overrides` (for the other families, `layer_types` is passed to the config as is).
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
@@ -106,10 +155,15 @@ def tiny_config(
             fields["sliding_window_pattern"] = overrides.pop("sliding_window_pattern", 6)
     elif family == "qwen2":
         fields.update(use_sliding_window=window is not None, sliding_window=window, max_window_layers=0)
+    elif family == "gpt_oss":
+        # Its attention always builds a sliding mask: without a window, all layers are full and the window unused.
+        fields["sliding_window"] = window if window is not None else max_positions
     elif family in _SLIDING_FAMILIES:
         fields["sliding_window"] = window
     if family == "mixtral":
         fields.update(num_local_experts=4, num_experts_per_tok=2)
+    elif family == "qwen3_moe":
+        fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=inter // 2)
     if family in ("deepseek_v2", "deepseek_v3"):
         qk_nope = head_dim or hidden // heads
         fields.update(
@@ -127,8 +181,83 @@ def tiny_config(
             topk_group=1,
             num_key_value_heads=heads,
         )
+    if family in _PATTERN_FAMILIES:
+        fields.update(
+            _pattern_fields(family, layers, heads, kv_heads, fields["head_dim"], window, layer_types, inter)
+        )
+    elif layer_types is not None:
+        fields["layer_types"] = list(layer_types)
     fields.update(overrides)
     return AutoConfig.for_model(family, **fields)
+
+
+def _pattern_fields(
+    family: str,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    window: int | None,
+    layer_types: Sequence[str] | None,
+    inter: int,
+) -> dict[str, Any]:
+    """The layer-type list and the state and MoE widths of gpt_oss, qwen3_next and nemotron_h."""
+    if layer_types is None:
+        if family == "gpt_oss":
+            cycle: Sequence[str] = (
+                ("sliding_attention", "full_attention") if window is not None else ("full_attention",)
+            )
+        else:
+            cycle = _DEFAULT_PATTERNS[family]
+        layer_types = shorten_pattern(list(cycle) * layers, layers)
+        if family != "gpt_oss" and "full_attention" not in layer_types:
+            layer_types[-1] = "full_attention"  # too few layers for the whole cycle: still one that attends
+    layer_types = list(layer_types)
+    if len(layer_types) != layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for layers={layers}")
+    allowed = {
+        "gpt_oss": {"sliding_attention", "full_attention"},
+        "qwen3_next": {"linear_attention", "full_attention"},
+        "nemotron_h": {"linear_attention", "full_attention", "mlp", "moe"},
+    }[family]
+    if not set(layer_types) <= allowed:
+        raise ValueError(
+            f"{family} layer types are {sorted(allowed)}, got {sorted(set(layer_types) - allowed)}"
+        )
+    if family == "gpt_oss" and "sliding_attention" in layer_types and window is None:
+        raise ValueError("gpt_oss sliding_attention layers need a window")
+    if family != "gpt_oss" and "full_attention" not in layer_types:
+        # transformers 5.24 reads the cached length from an attention layer (DynamicCache.get_seq_length)
+        raise ValueError(f"{family} needs at least one full_attention layer")
+    if family == "gpt_oss":
+        return dict(layer_types=layer_types, num_local_experts=4, num_experts_per_tok=2)
+    if family == "qwen3_next":
+        return dict(
+            layer_types=layer_types,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=head_dim,
+            linear_value_head_dim=head_dim,
+            linear_num_key_heads=heads // 2 if heads % 2 == 0 else heads,
+            linear_num_value_heads=heads,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=inter // 2,
+            shared_expert_intermediate_size=inter // 2,
+        )
+    # nemotron_h: the list replaces num_hidden_layers (transformers warns when they differ).
+    return dict(
+        layers_block_type=layer_types,
+        mamba_num_heads=heads,
+        mamba_head_dim=2 * head_dim,  # Mamba-2 inner width 2 × heads × head_dim (expand 2)
+        n_groups=kv_heads,
+        ssm_state_size=8,
+        conv_kernel=4,
+        chunk_size=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=inter // 2,
+        moe_shared_expert_intermediate_size=inter // 2,
+    )
 
 
 def tiny_model(
@@ -179,7 +308,9 @@ def scaled_down(
     """A tiny config with the registry model's family, attention type and layer pattern.
 
     MHA/GQA/MQA/MLA stays what it is (GQA keeps 4 query heads per KV head, or the model's own ratio if smaller),
-    sliding layers keep their place in the pattern with a `window`-token window, MLA keeps a latent.
+    sliding layers keep their place in the pattern with a `window`-token window, MLA keeps a latent. A model
+    that lists its layer types (gpt-oss, Qwen3-Next, Nemotron-H) keeps the first `layers` of its list, with the
+    first layer of every type it has (`shorten_pattern`): state (gated-DeltaNet, Mamba-2) layers included.
     """
     from kvlab.specs.arch import describe, get
 
@@ -198,6 +329,11 @@ def scaled_down(
         knobs["window"] = window
     if family == "gemma3_text":
         knobs["sliding_window_pattern"] = kinds.index("full") + 1
+    if family in _PATTERN_FAMILIES:
+        types = list(text.layer_types)
+        if len(set(types)) > layers:
+            raise ValueError(f"{name!r} has {len(set(types))} layer types; pass layers >= {len(set(types))}")
+        knobs["layer_types"] = shorten_pattern(types, layers)
     return tiny_config(family, **knobs)
 
 
