@@ -261,3 +261,23 @@ def test_max_concurrency_counts_a_sliding_group_at_its_window():
     hybrid = BlockManager(64, 4, windows=[None, 8])
     # The sliding group holds cdiv(8 - 1 + 16, 4) + 1 = 7 blocks however long the request grows.
     assert hybrid.max_concurrency(32, 16) == 64 / (8 + 7)
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_slot_limit_marks_the_steps_that_need_no_block_work(caching):
+    bm = BlockManager(8, 16, enable_prefix_caching=caching)
+    seq = Request(list(range(2, 42)))  # 40 tokens, of which a first chunk of 20 computes
+    assert bm.allocate(seq, 20) == 20
+    # Without caching, the two blocks' 32 slots; with it, the step that fills block 1 must publish it.
+    assert seq.slot_limit == (31 if caching else 32)
+    seq.num_computed_tokens = 20
+    free = bm.num_free_blocks
+    assert bm.append_slots(seq, 11) and bm.num_free_blocks == free
+    assert bm.num_cached_blocks == caching
+    seq.num_computed_tokens = 31
+    assert bm.append_slots(seq, 2) and bm.num_free_blocks == free - 1
+    assert seq.slot_limit == (47 if caching else 48)
+    # Block 1 (tokens 16..31) filled at that step: with caching it is published now.
+    assert bm.num_cached_blocks == 2 * caching
+    bm.free(seq)
+    assert seq.slot_limit == 0

@@ -103,3 +103,28 @@ def test_predicted_prefix_hit_tokens_whole_blocks_after_the_first_sharer():
     ]
     assert predicted_prefix_hit_tokens(trace, len(prefix), 4) == 8 + 4
     assert predicted_prefix_hit_tokens(trace, 3, 4) == 0  # shorter than a block
+
+
+def test_one_draw_serves_every_rate_exactly():
+    from kvlab.costs.workloads import Workload, draw_trace
+
+    w = Workload(rate=3.0, num_requests=200, prefix_len=32, prefix_fraction=0.5)
+    at = w.traces(1000, max_model_len=4096)
+    for rate in (0.5, 3.0, 77.7, None, math.inf):
+        assert at(rate) == w.trace(rate, 1000, max_model_len=4096)
+    # The open loop's draw takes the exponential gaps first, so a burst's requests are a different draw.
+    assert [r.max_tokens for r in at(None)] != [r.max_tokens for r in at(3.0)]
+    with pytest.raises(ValueError, match="burst's draw"):
+        draw_trace(5, burst=True).at(2.0)
+    with pytest.raises(ValueError, match="burst's draw"):
+        draw_trace(5, burst=False).at(math.inf)
+
+
+def test_inter_token_latencies_lay_every_requests_gaps_end_to_end():
+    from kvlab.engine.metrics import inter_token_latencies
+
+    reqs = [request(0.0, [0.5, 0.7, 1.0]), request(0.0, [2.0]), request(1.0, [3.0, 3.5])]
+    empty = RequestMetrics(arrival_time=0.0)
+    for group in (reqs, [empty, *reqs, empty], [empty], reqs[1:2]):
+        flat = [gap for r in group for gap in r.itls]
+        assert inter_token_latencies(group).tolist() == pytest.approx(flat, abs=0)

@@ -281,3 +281,29 @@ def test_attention_pairs_summed_in_integers_equal_the_triangle_formula():
             )
             moved = cost.weight_bytes + cost.kv_per_token * sum(ctx)
             assert cost.parts(new, ctx) == (cost.pp * flops / cost.flops, cost.pp * moved / cost.bandwidth)
+
+
+def test_a_burst_of_a_prefix_widens_a_bracket_that_proves_too_low(monkeypatch):
+    args = dict(
+        context=8192,
+        workload=Workload(rate=2.0, num_requests=100, mean_input=2000, mean_output=40),
+        targets=P.Targets(ttft_ms=200, itl_ms=30),
+        dp=1,
+    )
+    full = P.plan("meta-llama/Llama-3.1-8B", "H100-SXM", **args)
+    bursts: list[float] = []
+    simulate = P.simulate
+
+    def noting(trace, *a, **kw):
+        result = simulate(trace, *a, **kw)
+        if len(trace) == 2 and all(r.arrival_time == 0 for r in trace):
+            bursts.append(result.summary()["request_throughput"])
+        return result
+
+    monkeypatch.setattr(P, "simulate", noting)
+    monkeypatch.setattr(P, "BURST_REQUESTS", 2)
+    short = P.plan("meta-llama/Llama-3.1-8B", "H100-SXM", **args)
+    # Two requests at once say little of the GPU's throughput: the bracket they give is far too low ...
+    assert len(bursts) == 1 and 2 * bursts[0] < 0.8 * full.goodput_rps
+    # ... and doubling it finds the goodput the whole burst's bracket finds, to the bisection's resolution.
+    assert short.goodput_rps == pytest.approx(full.goodput_rps, rel=0.1)

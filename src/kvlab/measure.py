@@ -396,7 +396,7 @@ class Timer:
 
 def percentiles(values: Iterable[float], qs: Sequence[float] = (50, 95, 99)) -> dict[str, float]:
     """{"p50": ..., "p95": ..., "p99": ...} with numpy's linear interpolation. Empty input is an error."""
-    data = np.asarray(list(values), dtype=float)
+    data = np.asarray(values if isinstance(values, (np.ndarray, list, tuple)) else list(values), dtype=float)
     if data.size == 0:
         raise ValueError("percentiles of an empty sequence are undefined")
     return {f"p{q:g}": float(np.percentile(data, q)) for q in qs}

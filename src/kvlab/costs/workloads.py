@@ -14,7 +14,7 @@ for CPU-sized runs while keeping the shape. Token ids are random; the engine's w
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +126,26 @@ class Workload:
     ) -> list[TraceRequest]:
         """A seeded trace of this workload at `rate` requests/s (None: all at t=0, for a closed loop). With
         `max_model_len`, prompts are capped at half of it and outputs at what the prompt and prefix leave."""
+        rate = math.inf if rate is None else rate
+        return self._draw(math.isinf(rate), vocab_size, max_model_len).at(rate)
+
+    def traces(
+        self, vocab_size: int = 32000, max_model_len: int | None = None
+    ) -> Callable[[float | None], list[TraceRequest]]:
+        """`trace(rate, vocab_size, max_model_len)` for any rate, each kind of draw made once: a search over
+        rates rescales one set of arrivals instead of drawing every prompt again (seconds at 20,000 requests)."""
+        draws: dict[bool, TraceDraw] = {}
+
+        def at(rate: float | None) -> list[TraceRequest]:
+            rate = math.inf if rate is None else rate
+            burst = math.isinf(rate)
+            if burst not in draws:
+                draws[burst] = self._draw(burst, vocab_size, max_model_len)
+            return draws[burst].at(rate)
+
+        return at
+
+    def _draw(self, burst: bool, vocab_size: int, max_model_len: int | None) -> TraceDraw:
         max_input, max_output = self.max_input, self.max_output
         if max_model_len is not None:
             max_input = min(max_input or max_model_len, max_model_len // 2)
@@ -134,10 +154,10 @@ class Workload:
                 raise WorkloadError(
                     f"context {max_model_len} leaves no room for output after a {self.prefix_len}-token prefix"
                 )
-        return synthetic_trace(
+        return draw_trace(
             self.num_requests,
             LengthProfile("workload", self.mean_input, self.mean_output, self.sigma),
-            request_rate=math.inf if rate is None else float(rate),
+            burst=burst,
             vocab_size=vocab_size,
             seed=self.seed,
             shared_prefix_len=self.prefix_len,
@@ -157,7 +177,13 @@ def poisson_arrivals(n: int, rate: float, rng: np.random.Generator) -> np.ndarra
         raise ValueError(f"request rate must be positive, got {rate}")
     if math.isinf(rate):
         return np.zeros(n)
-    return np.cumsum(rng.exponential(1.0 / rate, size=n))
+    return scaled_arrivals(rng.standard_exponential(n), rate)
+
+
+def scaled_arrivals(gaps: np.ndarray, rate: float) -> np.ndarray:
+    """Arrival times of a Poisson process of `rate` from standard exponential `gaps`: bit for bit what numpy's
+    `exponential(1 / rate)` gives from the same generator (it scales the same draws)."""
+    return np.cumsum((1.0 / rate) * gaps)
 
 
 def lognormal_lengths(
@@ -183,11 +209,63 @@ def synthetic_trace(
 ) -> list[TraceRequest]:
     """A seeded trace. A `shared_prefix_fraction` of the requests start with one common system prompt of
     `shared_prefix_len` tokens, put before their own prompt (so their input is that much longer)."""
+    if request_rate <= 0:
+        raise ValueError(f"request rate must be positive, got {request_rate}")
+    return draw_trace(
+        num_requests,
+        dataset,
+        math.isinf(request_rate),
+        scale,
+        vocab_size,
+        seed,
+        shared_prefix_len,
+        shared_prefix_fraction,
+        max_input_len,
+        max_output_len,
+    ).at(request_rate)
+
+
+@dataclass(frozen=True)
+class TraceDraw:
+    """A seeded trace's requests at t=0 and, for an open loop, the standard exponential gaps between arrivals:
+    `at(rate)` scales them into a Poisson process, exactly what `numpy`'s `exponential(1 / rate)` would have
+    drawn from the same generator. A burst's draw (`gaps` None) takes no gaps, so its requests differ."""
+
+    requests: list[TraceRequest]
+    gaps: np.ndarray | None
+
+    def at(self, rate: float) -> list[TraceRequest]:
+        if rate <= 0:
+            raise ValueError(f"request rate must be positive, got {rate}")
+        if self.gaps is None or math.isinf(rate):
+            if self.gaps is not None or not math.isinf(rate):
+                raise ValueError("a burst's draw serves rate=inf only, and an open loop's a finite rate only")
+            return self.requests
+        arrivals = scaled_arrivals(self.gaps, rate).tolist()
+        return [
+            TraceRequest(t, r.prompt_token_ids, r.max_tokens, r.shares_prefix)
+            for t, r in zip(arrivals, self.requests, strict=True)
+        ]
+
+
+def draw_trace(
+    num_requests: int,
+    dataset: str | LengthProfile = "sharegpt",
+    burst: bool = True,
+    scale: float = 1.0,
+    vocab_size: int = 256,
+    seed: int = 0,
+    shared_prefix_len: int = 0,
+    shared_prefix_fraction: float = 0.0,
+    max_input_len: int | None = None,
+    max_output_len: int | None = None,
+) -> TraceDraw:
+    """`synthetic_trace`'s requests, drawn once for every rate of an open loop (`burst=False`) or for a burst."""
     profile = PROFILES[dataset] if isinstance(dataset, str) else dataset
     if not 0.0 <= shared_prefix_fraction <= 1.0 or scale <= 0 or num_requests < 1:
         raise ValueError("need num_requests >= 1, scale > 0 and 0 <= shared_prefix_fraction <= 1")
     rng = np.random.default_rng(seed)
-    arrivals = poisson_arrivals(num_requests, request_rate, rng)
+    gaps = None if burst else rng.standard_exponential(num_requests)
     inputs = lognormal_lengths(num_requests, profile.mean_input * scale, profile.sigma, rng, max_input_len)
     outputs = lognormal_lengths(num_requests, profile.mean_output * scale, profile.sigma, rng, max_output_len)
     # Ids from 2 up: tiny models use 0 and 1 as bos and eos. Every prompt refers to one int object per id (a
@@ -196,10 +274,10 @@ def synthetic_trace(
     prefix = tuple(map(ids.__getitem__, rng.integers(2, vocab_size, size=shared_prefix_len).tolist()))
     sharing = rng.random(num_requests) < shared_prefix_fraction
     trace = []
-    for t, n_in, n_out, shares in zip(arrivals, inputs, outputs, sharing, strict=True):
+    for n_in, n_out, shares in zip(inputs, outputs, sharing, strict=True):
         own = tuple(map(ids.__getitem__, rng.integers(2, vocab_size, size=n_in).tolist()))
-        trace.append(TraceRequest(float(t), (prefix if shares else ()) + own, int(n_out), bool(shares)))
-    return trace
+        trace.append(TraceRequest(0.0, (prefix if shares else ()) + own, int(n_out), bool(shares)))
+    return TraceDraw(trace, gaps)
 
 
 def resident_lengths(trace: Iterable[TraceRequest]) -> list[int]:

@@ -433,14 +433,8 @@ class BlockManager:
         """Blocks for the next `num_new_tokens` tokens of a running sequence; all or nothing."""
         start = seq.num_computed_tokens
         end = start + num_new_tokens
-        if self.single_full_group:
-            # One full-attention table, the common decode step: the tokens stay inside its blocks, and no block
-            # fills that an earlier step has not published already (each step publishes what it fills).
-            bs = self.block_size
-            if blocks_for(end, bs) <= len(seq.block_tables[0]) and (
-                not self.enable_prefix_caching or end // bs == start // bs
-            ):
-                return True
+        if end <= seq.slot_limit:
+            return True
         self.remove_skipped_blocks(seq)
         total = blocks_for(end, self.block_size)
         # The common decode step stays inside its last block: no allocation, so no free-block count either.
@@ -453,6 +447,17 @@ class BlockManager:
                     self.block_group[block_id] = g
                     table.append(block_id)
         self._cache_full_blocks(seq, end)
+        if self.single_full_group:
+            # One full-attention table: later steps need no work while their tokens stay inside its blocks
+            # and fill no block (each step publishes the blocks it fills, so a filled one must come here).
+            blocks, bs = len(seq.block_tables[0]), self.block_size
+            held = blocks * bs
+            # What the table holds by the one rule that sizes tables (`blocks_for`), not by a second copy of it.
+            while held and blocks_for(held, bs) > blocks:
+                held -= bs
+            if self.enable_prefix_caching:
+                held = min(held, (end // bs + 1) * bs - 1)
+            seq.slot_limit = held
         return True
 
     def _retained(self, group: int, index: int, seq: Request) -> bool:
@@ -505,6 +510,7 @@ class BlockManager:
             self.allocator.release_all(b for b in reversed(table) if b != NULL_BLOCK)
         seq.block_tables = [[] for _ in self.windows]
         seq.num_computed_tokens = 0
+        seq.slot_limit = 0
 
     def used_token_slots(self, seqs: Iterable[Request]) -> int:
         """Token slots of the pool that hold a computed token (a shared block counts once)."""

@@ -3,9 +3,10 @@
 `LLMEngine(runner=CostRunner(cost, num_blocks), clock=VirtualClock())` is the serving simulator
 (`kvlab.planning.simulate.simulate`): the engine's own scheduler, block manager and step loop, with the forward pass
 replaced by `cost(num_new_tokens, context_lens)` seconds (a `kvlab.planning.simulate.StepCost`), which the virtual clock
-charges. Each sequence whose scheduled tokens reach its end "samples" a placeholder token, distinct per sequence
-and position so that outputs never look like shared prefixes; requests are meant to ignore eos and run to their
-`max_tokens`, as in vLLM's serving benchmarks.
+charges. Each sequence whose scheduled tokens reach its end "samples" a placeholder token, one per sequence, so
+that no two requests' outputs look like a shared prefix (a block's hash chains its whole prefix, so a repeated
+token within one output shares nothing either); requests are meant to ignore eos and run to their `max_tokens`,
+as in vLLM's serving benchmarks.
 """
 
 from __future__ import annotations
@@ -34,17 +35,29 @@ class CostRunner:
         self.eos_token_ids: frozenset[int] = frozenset()
         self.pool: KVPool | None = None
         self.step_seconds: list[float] = []
+        # Each running sequence's placeholder token: one int object per sequence, not one per output token
+        # (20,000 requests of a few hundred tokens would otherwise hold millions of them).
+        self._placeholder: dict[int, int] = {}
 
     def run(self, batch: ScheduledBatch) -> RunnerOutput:
         contexts = batch.context_lens()
         seconds = float(self.cost(batch.num_new_tokens, contexts))
         self.step_seconds.append(seconds)
-        sampled, tokens = [], []
-        for seq, end in zip(batch.seqs, contexts, strict=True):
-            if end == len(seq.token_ids):
-                sampled.append(seq)
-                tokens.append(2 + (seq.seq_id * 7919 + end) % 1_000_003)
+        if batch.num_partial:
+            sampled = [
+                seq for seq, end in zip(batch.seqs, contexts, strict=True) if end == len(seq.token_ids)
+            ]
+        else:
+            # Every scheduled sequence reaches its last token, so every one samples (the common decode step).
+            sampled = list(batch.seqs)
+        get = self._placeholder.get
+        tokens = [get(seq.seq_id) or self._new_placeholder(seq) for seq in sampled]
         return RunnerOutput(sampled, tokens, [None] * len(sampled), seconds)
 
+    def _new_placeholder(self, seq: Request) -> int:
+        token = self._placeholder[seq.seq_id] = 2 + seq.seq_id % 1_000_003
+        return token
+
     def release(self, seq: Request) -> None:
-        """Nothing to forget: no sampling state."""
+        """Forget the sequence's placeholder token."""
+        self._placeholder.pop(seq.seq_id, None)

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
 from kvlab.measure import percentiles
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     """Timestamps (seconds, one clock) and counts of one request."""
 
@@ -86,7 +87,7 @@ def duration(requests: Sequence[RequestMetrics]) -> float:
     return max(r.arrival_time + r.e2e_latency for r in requests) - min(r.arrival_time for r in requests)
 
 
-def _stats(name: str, seconds: Sequence[float], qs: Sequence[float]) -> dict[str, float]:
+def _stats(name: str, seconds: Sequence[float] | np.ndarray, qs: Sequence[float]) -> dict[str, float]:
     if not len(seconds):
         return {f"mean_{name}_ms": 0.0, f"median_{name}_ms": 0.0, f"std_{name}_ms": 0.0} | {
             f"p{q:g}_{name}_ms": 0.0 for q in qs
@@ -96,6 +97,21 @@ def _stats(name: str, seconds: Sequence[float], qs: Sequence[float]) -> dict[str
     out[f"std_{name}_ms"] = float(ms.std())
     out |= {f"{key}_{name}_ms": value for key, value in percentiles(ms, qs).items()}
     return out
+
+
+def inter_token_latencies(requests: Sequence[RequestMetrics]) -> np.ndarray:
+    """Every request's `itls`, in request order, as one array: the gaps of all token times laid end to end,
+    less the gaps that join one request to the next (a long trace holds millions of tokens)."""
+    lengths = np.fromiter((len(r.token_times) for r in requests), dtype=np.int64, count=len(requests))
+    total = int(lengths.sum())
+    if total < 2:
+        return np.empty(0)
+    times = np.fromiter(chain.from_iterable(r.token_times for r in requests), dtype=float, count=total)
+    keep = np.ones(total - 1, dtype=bool)
+    # The gap after each request's last token crosses into the next request.
+    last = np.cumsum(lengths) - 1
+    keep[last[(last >= 0) & (last < total - 1)]] = False
+    return np.diff(times)[keep]
 
 
 def summarize(
@@ -123,7 +139,7 @@ def summarize(
         out["request_goodput"] = sum(slo.met_by(r) for r in requests) / elapsed
     out |= _stats("ttft", [r.ttft for r in requests], qs)
     out |= _stats("tpot", [r.tpot for r in requests if r.tpot is not None], qs)
-    out |= _stats("itl", [gap for r in requests for gap in r.itls], qs)
+    out |= _stats("itl", inter_token_latencies(requests), qs)
     out |= _stats("e2el", [r.e2e_latency for r in requests], qs)
     return out
 

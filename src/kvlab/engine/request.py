@@ -59,7 +59,7 @@ class RequestStatus(Enum):
 _ids = count()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """Tokens so far (prompt then output) and the cache state behind them.
 
@@ -87,6 +87,11 @@ class Request:
     # Per generated token, the `params.logprobs` best token ids at that position (empty when logprobs is None).
     # Kept across preemption: recomputing the prefill does not sample the tokens already generated again.
     top_token_ids: list[list[int]] = field(default_factory=list)
+    # Tokens its blocks hold before `BlockManager.append_slots` has work to do (0: always ask). The block
+    # manager keeps it; the scheduler's loop, which runs once per sequence per step, skips the call below it.
+    slot_limit: int = 0
+    num_prompt_tokens: int = field(init=False)
+    metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -87,6 +87,8 @@ class ScheduledBatch:
     # Each sequence's context once the step has run, recorded as it is scheduled (runners and the clock read it
     # before `Scheduler.postprocess` advances the sequences).
     contexts: list[int] = field(default_factory=list)
+    # Sequences whose scheduled tokens stop short of their last token (a prompt chunk): they sample nothing.
+    num_partial: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
@@ -99,7 +101,10 @@ class ScheduledBatch:
     def add(self, seq: Request, num_new_tokens: int) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
-        self.contexts.append(seq.num_computed_tokens + num_new_tokens)
+        end = seq.num_computed_tokens + num_new_tokens
+        self.contexts.append(end)
+        if end < len(seq.token_ids):
+            self.num_partial += 1
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -165,29 +170,37 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         # Running sequences first, in admission order; victims come off the end.
         # The loop runs once per running sequence per step (the simulator's hot path): names are bound locally.
-        index = 0
         running, append_slots = self.running, self.block_manager.append_slots
         seqs, num_new_tokens, contexts = batch.seqs, batch.num_new_tokens, batch.contexts
-        while index < len(running) and budget > 0:
-            seq = running[index]
-            n = len(seq.token_ids) - seq.num_computed_tokens
+        # Preemption pops victims off the end of `running` while this iterates it: the iterator stops before
+        # them, as a loop over indices would.
+        for seq in running:
+            if budget <= 0:
+                break
+            computed = seq.num_computed_tokens
+            n = len(seq.token_ids) - computed
             if n > budget:
                 n = budget
-            while not append_slots(seq, n):
-                victim = running.pop()
-                self._preempt(victim)
-                batch.preempted.append(victim)
+                batch.num_partial += 1
+            # Below its slot limit a sequence needs no block work (the block manager keeps the limit).
+            if computed + n > seq.slot_limit:
+                while not append_slots(seq, n):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    batch.preempted.append(victim)
+                    if victim is seq:
+                        break
+                else:
+                    victim = None
                 if victim is seq:
+                    # It was preempted, not scheduled: count only the chunks that run.
+                    batch.num_partial = sum(c < len(s.token_ids) for s, c in zip(seqs, contexts, strict=True))
                     break
-            else:
-                # batch.add(seq, n), inline
-                seqs.append(seq)
-                num_new_tokens.append(n)
-                contexts.append(seq.num_computed_tokens + n)
-                budget -= n
-                index += 1
-                continue
-            break
+            # batch.add(seq, n), inline
+            seqs.append(seq)
+            num_new_tokens.append(n)
+            contexts.append(computed + n)
+            budget -= n
         if batch.preempted:
             if not batch.seqs:
                 self._count_idle_step()
@@ -268,7 +281,7 @@ class Scheduler:
                 metrics.first_token_time = now
             # Why it stops, if it does (inline: this runs once per sampled token)
             num_tokens = len(token_ids)
-            if not params.ignore_eos and token in eos:
+            if eos and not params.ignore_eos and token in eos:
                 reason: str | None = "stop"
             elif num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= max_model_len:
                 reason = "length"

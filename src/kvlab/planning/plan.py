@@ -268,8 +268,8 @@ class Plan:
         return "\n".join(lines)
 
 
-def _binding(result: SimulationResult, cost: RooflineStepCost) -> str:
-    s = result.summary()
+def _binding(result: SimulationResult, s: dict[str, float], cost: RooflineStepCost) -> str:
+    """Which constraint binds the run `result`, whose summary is `s`."""
     if result.num_preemptions or s["peak_kv_utilisation"] >= 0.98:
         return f"memory: the KV pool ran full (peak {s['peak_kv_utilisation']:.0%}, {result.num_preemptions} preemptions)"
     queue = sorted(r.queue_time for r in result.requests)
@@ -291,10 +291,6 @@ def _binding(result: SimulationResult, cost: RooflineStepCost) -> str:
         )
     regime = "compute" if compute > memory else "bandwidth"
     return f"{regime}: a decode step of the mean batch ({batch}) is {regime}-bound (compute {compute * 1e3:.2f} ms, memory {memory * 1e3:.2f} ms)"
-
-
-def _mean_batch(result: SimulationResult) -> int:
-    return max(1, round(result.summary()["mean_running"]))
 
 
 def plan(
@@ -382,16 +378,22 @@ def plan(
     # Random prompts share nothing beyond the workload's prefix: hashing their blocks would only cost time.
     caching = enable_prefix_caching and workload.prefix_fraction > 0 and workload.prefix_len > 0
 
+    # Each search step rescales one draw of the trace's arrivals instead of drawing every prompt again.
+    trace_at = workload.traces(vocab, max_model_len=context)
+
     def capped_trace(rate: float | None) -> list[TraceRequest]:
         """The workload's trace at `rate`, lengths capped to fit `context` (the engine's max_model_len)."""
         try:
-            return workload.trace(rate, vocab, max_model_len=context)
+            return trace_at(rate)
         except WorkloadError as err:
             raise PlanError(str(err)) from None
 
-    def run(replicas: int, rate: float | None = None, verdict: bool = False) -> SimulationResult:
+    def run(
+        replicas: int, rate: float | None = None, verdict: bool = False, first: int | None = None
+    ) -> SimulationResult:
         """One scheduler's share of the load (replicas × pp schedulers): the workload's own, or an open-loop
-        `rate` over all replicas. With `verdict`, the run stops once the targets are missed for good."""
+        `rate` over all replicas. With `verdict`, the run stops once the targets are missed for good; with
+        `first`, only the trace's first requests run."""
         schedulers = replicas * pp
         if rate is not None:
             per_replica: float | None = rate / schedulers
@@ -400,7 +402,7 @@ def plan(
             per_replica, conc = None, max(1, workload.concurrency // schedulers)
         else:
             per_replica, conc = (workload.rate or 0.0) / schedulers, None
-        return serve(capped_trace(per_replica), conc, verdict)
+        return serve(capped_trace(per_replica)[:first], conc, verdict)
 
     def serve(trace: list[TraceRequest], concurrency: int | None, verdict: bool = False) -> SimulationResult:
         """One replica of the planned engine serving `trace`."""
@@ -463,6 +465,7 @@ def plan(
     goodput = _goodput(
         run, dp, targets, workload, workload.rate if met and workload.rate is not None else None, pp
     )
+    summary = result.summary(targets.slo)
     offered = (
         f"{workload.rate:g} req/s" if workload.rate is not None else f"concurrency {workload.concurrency}"
     ) + f", mean {workload.mean_input:g} in / {workload.mean_output:g} out tokens"
@@ -475,16 +478,16 @@ def plan(
         budget=mb,
         max_sequences=mb.max_sequences(context),
         vllm_max_concurrency=mb.max_tokens() / context,
-        summary=result.summary(targets.slo),
+        summary=summary,
         attainment=targets.attainment(result.requests),
         targets=targets,
         meets_targets=met,
         goodput_rps=goodput,
-        binding=_binding(result, cost),
+        binding=_binding(result, summary, cost),
         offered=offered,
         searched=searched,
         pp=pp,
-        link_ms=cost.link_seconds([1] * _mean_batch(result)) * 1e3,
+        link_ms=cost.link_seconds([1] * max(1, round(summary["mean_running"]))) * 1e3,
         speculation=_speculation(settings, mb),
     )
 
@@ -499,8 +502,13 @@ def _speculation(settings: budget.BudgetSettings, mb: budget.MemoryBudget) -> st
     )
 
 
+# Requests of the burst run that brackets the goodput search: enough to keep the largest batch full for a while;
+# a longer trace's bracket is widened (doubled) if it proves too low.
+BURST_REQUESTS = 2000
+
+
 def _goodput(
-    run: Callable[[int, float | None, bool], SimulationResult],
+    run: Callable[[int, float | None, bool, int | None], SimulationResult],
     dp: int,
     targets: Targets,
     workload: Workload,
@@ -509,20 +517,24 @@ def _goodput(
 ) -> float:
     """DistServe's goodput over `dp` replicas: the highest request rate at which the targets hold, by bisection
     over open-loop Poisson arrivals of the workload's finite trace. The search runs from the offered rate (when
-    the plan meets it; else 0) up to twice the larger of it and the burst throughput (every request at t=0).
-    On a finite trace a rate above what the GPUs sustain can still pass while the queue has not yet grown:
-    more `num_requests` make the figure stricter."""
-    burst = run(dp, math.inf, False).summary()
+    the plan meets it; else 0) up to twice the larger of it and the burst throughput (the first
+    `BURST_REQUESTS` requests at t=0). On a finite trace a rate above what the GPUs sustain can still pass while
+    the queue has not yet grown: more `num_requests` make the figure stricter. Where the burst ran only a
+    prefix of the trace and the top of the bracket still passes, the bracket doubles until it fails."""
+    burst = run(dp, math.inf, False, BURST_REQUESTS).summary()
     hi = 2 * max(burst["request_throughput"] * dp * pp, met_at or 0.0)
 
     def ok(rate: float) -> bool:
         # A run that missed for good stops early: its verdict is the full run's, at a fraction of the steps.
-        result = run(dp, rate, True)
+        result = run(dp, rate, True, None)
         return not result.stopped and targets.met(result.requests)
 
-    if ok(hi):
-        return hi
     lo = met_at or 0.0
+    widened = 0
+    while ok(hi):
+        if workload.num_requests <= BURST_REQUESTS or widened == 4:
+            return hi
+        lo, hi, widened = hi, 2 * hi, widened + 1
     for _ in range(6):
         mid = (lo + hi) / 2
         if ok(mid):
