@@ -126,8 +126,7 @@ class Workload:
     ) -> list[TraceRequest]:
         """A seeded trace of this workload at `rate` requests/s (None: all at t=0, for a closed loop). With
         `max_model_len`, prompts are capped at half of it and outputs at what the prompt and prefix leave."""
-        rate = math.inf if rate is None else rate
-        return self._draw(math.isinf(rate), vocab_size, max_model_len).at(rate)
+        return self.traces(vocab_size, max_model_len)(rate)
 
     def traces(
         self, vocab_size: int = 32000, max_model_len: int | None = None
@@ -209,8 +208,6 @@ def synthetic_trace(
 ) -> list[TraceRequest]:
     """A seeded trace. A `shared_prefix_fraction` of the requests start with one common system prompt of
     `shared_prefix_len` tokens, put before their own prompt (so their input is that much longer)."""
-    if request_rate <= 0:
-        raise ValueError(f"request rate must be positive, got {request_rate}")
     return draw_trace(
         num_requests,
         dataset,
@@ -237,9 +234,9 @@ class TraceDraw:
     def at(self, rate: float) -> list[TraceRequest]:
         if rate <= 0:
             raise ValueError(f"request rate must be positive, got {rate}")
-        if self.gaps is None or math.isinf(rate):
-            if self.gaps is not None or not math.isinf(rate):
-                raise ValueError("a burst's draw serves rate=inf only, and an open loop's a finite rate only")
+        if (self.gaps is None) != math.isinf(rate):
+            raise ValueError("a burst's draw serves rate=inf only, and an open loop's a finite rate only")
+        if self.gaps is None:
             return self.requests
         arrivals = scaled_arrivals(self.gaps, rate).tolist()
         return [

@@ -179,9 +179,9 @@ class Scheduler:
                 break
             computed = seq.num_computed_tokens
             n = len(seq.token_ids) - computed
-            if n > budget:
+            partial = n > budget
+            if partial:
                 n = budget
-                batch.num_partial += 1
             # Below its slot limit a sequence needs no block work (the block manager keeps the limit).
             if computed + n > seq.slot_limit:
                 while not append_slots(seq, n):
@@ -193,13 +193,12 @@ class Scheduler:
                 else:
                     victim = None
                 if victim is seq:
-                    # It was preempted, not scheduled: count only the chunks that run.
-                    batch.num_partial = sum(c < len(s.token_ids) for s, c in zip(seqs, contexts, strict=True))
                     break
             # batch.add(seq, n), inline
             seqs.append(seq)
             num_new_tokens.append(n)
             contexts.append(computed + n)
+            batch.num_partial += partial
             budget -= n
         if batch.preempted:
             if not batch.seqs:

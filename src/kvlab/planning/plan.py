@@ -503,8 +503,9 @@ def _speculation(settings: budget.BudgetSettings, mb: budget.MemoryBudget) -> st
 
 
 # Requests of the burst run that brackets the goodput search: enough to keep the largest batch full for a while;
-# a longer trace's bracket is widened (doubled) if it proves too low.
+# a longer trace's bracket is doubled, at most MAX_WIDENINGS times, while its top still passes.
 BURST_REQUESTS = 2000
+MAX_WIDENINGS = 4
 
 
 def _goodput(
@@ -520,7 +521,8 @@ def _goodput(
     the plan meets it; else 0) up to twice the larger of it and the burst throughput (the first
     `BURST_REQUESTS` requests at t=0). On a finite trace a rate above what the GPUs sustain can still pass while
     the queue has not yet grown: more `num_requests` make the figure stricter. Where the burst ran only a
-    prefix of the trace and the top of the bracket still passes, the bracket doubles until it fails."""
+    prefix of the trace and the top of the bracket still passes, the bracket doubles until it fails, at most
+    `MAX_WIDENINGS` times; a top that still passes then is returned, a lower bound."""
     burst = run(dp, math.inf, False, BURST_REQUESTS).summary()
     hi = 2 * max(burst["request_throughput"] * dp * pp, met_at or 0.0)
 
@@ -532,7 +534,7 @@ def _goodput(
     lo = met_at or 0.0
     widened = 0
     while ok(hi):
-        if workload.num_requests <= BURST_REQUESTS or widened == 4:
+        if workload.num_requests <= BURST_REQUESTS or widened == MAX_WIDENINGS:
             return hi
         lo, hi, widened = hi, 2 * hi, widened + 1
     for _ in range(6):
