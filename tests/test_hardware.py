@@ -127,6 +127,34 @@ def test_probes_keep_every_timing_and_report_the_fastest():
         _ = hardware.MatmulProbe("cpu", 8, torch.float32).flops
 
 
+def test_linear_weights_take_the_longest_prefix_of_shapes_within_the_bytes():
+    shapes = [(64, 32), (32, 64), (128, 32)]
+    weights = hardware.linear_weights(shapes, 2 * 64 * 32 * 4, torch.float32, "cpu")
+    assert [tuple(w.shape) for w in weights] == shapes[:2]
+    # the first shape always, even past the bytes
+    assert [tuple(w.shape) for w in hardware.linear_weights(shapes, 4, torch.float32, "cpu")] == shapes[:1]
+    assert hardware.linear_weights(shapes, 2**20, torch.bfloat16, "cpu")[2].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="at least one shape"):
+        hardware.linear_weights([], 2**20, torch.float32, "cpu")
+
+
+def test_a_linear_probe_runs_every_weight_at_its_rows_and_reports_the_read_rate():
+    weights = hardware.linear_weights([(64, 32), (32, 64)], 2**20, torch.float32, "cpu")
+    probe = hardware.LinearProbe(weights, rows=4)
+    outputs = probe.run()
+    assert [tuple(o.shape) for o in outputs] == [(4, 64), (4, 32)]
+    torch.testing.assert_close(outputs[0], torch.full((4, 64), 0.5 * 0.01 * 32))
+    with pytest.raises(ValueError, match="not been timed"):
+        _ = probe.read_bytes_per_s
+    probe.time(repeat=3)
+    assert probe.nbytes == 2 * 64 * 32 * 4
+    assert probe.read_bytes_per_s == probe.nbytes / min(probe.seconds)
+    with pytest.raises(ValueError, match="at least one weight"):
+        hardware.LinearProbe([])
+    with pytest.raises(ValueError, match="rows"):
+        hardware.LinearProbe(weights, rows=0)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
 def test_the_host_link_probe_needs_a_gpu():
     with pytest.raises(ValueError, match="CUDA"):

@@ -41,10 +41,12 @@ def run(model):
 
 
 def test_a_predicted_bandwidth_halved_misses(model, monkeypatch):
-    copy_rate = hardware.CopyProbe.bandwidth_bytes_per_s
+    # both probes: the roofline runs on the copy's rate on a GPU, on the matrix-vector product's on a CPU
+    copy_rate, read_rate = hardware.CopyProbe.bandwidth_bytes_per_s, hardware.LinearProbe.read_bytes_per_s
     monkeypatch.setattr(
         hardware.CopyProbe, "bandwidth_bytes_per_s", property(lambda p: copy_rate.fget(p) / 2)
     )
+    monkeypatch.setattr(hardware.LinearProbe, "read_bytes_per_s", property(lambda p: read_rate.fget(p) / 2))
     run(model)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -291,6 +292,29 @@ def test_realistic_takes_measured_ceilings_whole():
     step = roofline.decode_step(LLAMA3, measured, 4, 1024, dtype="bf16")
     realistic = roofline.decode_step_time(LLAMA3, measured, 4, 1024, dtype="bf16", realistic=True)
     assert realistic == pytest.approx(step.time_s + roofline.REALISM.step_overhead_s)
+
+
+def test_a_measured_weight_read_rate_times_the_weights_and_leaves_the_cache_at_the_bandwidth():
+    """A CPU's matrix-vector product reads weights slower than a copy moves bytes; attention reads the cache near
+    the copy's rate. The two rates split the memory term, and the critical batch follows the weights' ridge."""
+    both = dict(memory_bytes=2**34, flops=1e11, flops_dtype="float32", host_link_bytes_per_s=None)
+    copy_only = hardware.Measurement(
+        "copy", bandwidth_bytes_per_s=20e9, copy_bytes=2**28, matmul_size=1024, **both
+    )
+    split = dataclasses.replace(copy_only, name="split", weight_read_bytes_per_s=10e9)
+    assert hardware.weight_read_rate(copy_only) == 20e9 and hardware.weight_read_rate(split) == 10e9
+    assert hardware.weight_read_rate(H100) == H100.bandwidth_bytes_per_s
+    assert split.weight_ridge_flops_per_byte == 10 and split.ridge_flops_per_byte == 5
+    a, b = (roofline.decode_step(LLAMA3, hw, 2, 4096, dtype="float32") for hw in (copy_only, split))
+    assert a.memory_s == pytest.approx((a.weight_bytes + a.kv_bytes) / 20e9)
+    assert b.memory_s == pytest.approx(b.weight_bytes / 10e9 + b.kv_bytes / 20e9)
+    assert roofline.realistic_time(b, split) == pytest.approx(b.memory_s + roofline.REALISM.step_overhead_s)
+    # twice the seconds per weight byte: the compute term meets the memory term at about twice the batch
+    short = [roofline.critical_batch_size(LLAMA3, hw, 1, dtype="float32") for hw in (copy_only, split)]
+    assert short[1] == pytest.approx(2 * short[0], rel=0.01)
+    # equal rates: exactly the one-rate arithmetic
+    same = dataclasses.replace(copy_only, weight_read_bytes_per_s=20e9)
+    assert roofline.decode_step(LLAMA3, same, 2, 4096, dtype="float32") == a
 
 
 def test_compute_bound_prompt_len_is_where_the_prefill_bound_changes():

@@ -28,9 +28,11 @@ def row(batch, context, measured_s, predicted_s, overhead_s, bound="memory"):
     )
 
 
-def sweep(rows, overhead_s, on_cpu=True, hw=FAKE):
+def sweep(rows, overhead_s, on_cpu=True, hw=FAKE, read_cost=None):
+    """A sweep of `rows`; by default this device's matmul reads the weights as fast at every batch as at one."""
     overhead = timing.StepOverhead(timing.StepTiming(1, 1, (overhead_s,)), 2, 0.0)
-    return timing.DecodeSweep(hw, overhead, tuple(rows), CONFIG, torch.float32, on_cpu)
+    costs = read_cost or {r.measured.batch_size: 1.0 for r in rows}
+    return timing.DecodeSweep(hw, overhead, tuple(rows), CONFIG, torch.float32, on_cpu, costs)
 
 
 def failed(checks):
@@ -70,6 +72,17 @@ def test_a_sweep_measures_everything_in_rounds():
     assert [(r.measured.batch_size, r.measured.tokens) for r in s.rows] == [(1, 8), (2, 8)]
     assert all(len(r.measured.seconds) == 6 for r in s.rows) and len(s.overhead.timing.seconds) == 6
     assert s.on_cpu and s.hw.copy_bytes == 2**20
+    # the linear maps at every measured batch, against batch 1; on a CPU their read rate, not the copy's, is the
+    # bandwidth
+    assert set(s.read_cost) == {1, 2} and s.read_cost[1] == 1.0 and s.read_cost[2] > 0
+    assert (
+        s.hw.weight_read_bytes_per_s is not None
+        and s.hw.weight_read_bytes_per_s != s.hw.bandwidth_bytes_per_s
+    )
+    assert (
+        timing.linear_shapes(model)[:2] == [(64, 64), (32, 64)]
+        and len(timing.linear_shapes(model)) == 2 * 7 + 1
+    )
     for r in s.rows:
         # the bench's realistic prediction, with the overhead this sweep measured
         expected = timing.predict_bench_step(r.predicted, s.hw, torch.float32, s.overhead.realism())
@@ -89,8 +102,15 @@ def test_context_growth_checks():
         row(64, 128, 40e-3, 20e-3, 2.7e-3),
     ]
     kw = dict(min_predicted_growth=1.5, ratio_high=2)
-    checks = timing.check_context_growth(sweep(good, 2.7e-3), contexts, batches, 128, **kw)
+    # batch 64 costs 10 batch-1 steps; this device's 64-row matmul costs 4 matrix-vector products: below
+    # sqrt(64 * 4) = 16
+    kernel = {1: 1.0, 64: 4.0}
+    checks = timing.check_context_growth(sweep(good, 2.7e-3, read_cost=kernel), contexts, batches, 128, **kw)
     assert failed(checks) == []
+    # reads shared perfectly by the kernel: the same batch is dearer than sqrt(64) = 8
+    assert failed(timing.check_context_growth(sweep(good, 2.7e-3), contexts, batches, 128, **kw)) == [
+        "batch 64 in batch-1 steps"
+    ]
     names = [c.name for c in checks]
     assert "the CPU sizes show the growth" in names and "the step grows with the context" in names
     # a prediction doubled: every step far faster than predicted
@@ -103,15 +123,23 @@ def test_context_growth_checks():
     )
     # a step that does not grow, and a batch that costs as much as its sequences
     flat = good[:2] + [row(1, 4096, 8e-3, 15e-3, 2.7e-3), good[3], row(64, 128, 40 * 4e-3, 20e-3, 2.7e-3)]
-    missed = failed(timing.check_context_growth(sweep(flat, 2.7e-3), contexts, batches, 128, **kw))
+    missed = failed(
+        timing.check_context_growth(sweep(flat, 2.7e-3, read_cost=kernel), contexts, batches, 128, **kw)
+    )
     assert "the step grows with the context" in missed and "batch 64 in batch-1 steps" in missed
     # launch-bound sizes on a GPU: no growth to show, and none required
     gpu = timing.check_context_growth(
-        sweep(good[:1] * 3 + good[3:], 2.7e-3, on_cpu=False), [16, 16, 16], batches, 128, **kw
+        sweep(good[:1] * 3 + good[3:], 2.7e-3, on_cpu=False, read_cost=kernel),
+        [16, 16, 16],
+        batches,
+        128,
+        **kw,
     )
     assert "the CPU sizes show the growth" not in [c.name for c in gpu]
     assert "the CPU sizes show the growth" in failed(
-        timing.check_context_growth(sweep(good[:1] * 3 + good[3:], 2.7e-3), [16, 16, 16], batches, 128, **kw)
+        timing.check_context_growth(
+            sweep(good[:1] * 3 + good[3:], 2.7e-3, read_cost=kernel), [16, 16, 16], batches, 128, **kw
+        )
     )
 
 
@@ -149,12 +177,41 @@ def test_roofline_checks():
     assert failed(timing.check_roofline(sweep(dear, o), contexts, batches, 16, **kw)) == [
         "batch 4 in batch-1 steps"
     ]
+    # a device whose 4-row matmul costs 1.8 matrix-vector products: batch 4 may cost up to sqrt(4 * 1.8)
+    slow_kernel = {1: 1.0, 4: 1.8, 16: 3.0}
+    costly = rows[:2] + [row(4, 16, 2.5 * 30e-3, 36e-3, o), rows[3]]
+    assert (
+        failed(timing.check_roofline(sweep(costly, o, read_cost=slow_kernel), contexts, batches, 16, **kw))
+        == []
+    )
+    assert "batch 4 in batch-1 steps" in failed(
+        timing.check_roofline(sweep(costly, o), contexts, batches, 16, **kw)
+    )
+    assert "batch 4 in batch-1 steps" in failed(
+        timing.check_roofline(sweep(dear, o, read_cost=slow_kernel), contexts, batches, 16, **kw)
+    )
     # launch-bound everywhere: on a CPU that is a failure (CI would never check the claim), on a GPU it is not
     tiny = [row(r.measured.batch_size, r.measured.tokens, 4e-3, 4e-3, o) for r in rows]
     rule = "a batch-1 step with work >= 3x the overhead"
     assert rule in failed(timing.check_roofline(sweep(tiny, o), contexts, batches, 16, **kw))
     on_gpu = timing.check_roofline(sweep(tiny, o, on_cpu=False), contexts, batches, 16, **kw)
     assert rule not in [c.name for c in on_gpu]
+
+
+def test_batch_cost_sits_at_the_geometric_midpoint_of_shared_and_unshared_reads():
+    o = 3e-3
+    rows = [row(1, 16, 30e-3, 35e-3, o), row(4, 16, 59e-3, 36e-3, o), row(16, 16, 130e-3, 50e-3, o)]
+    # reads shared perfectly by the device's matmul: the midpoint of 1 and 4 is 2, of 1 and 16 is 4
+    check = timing.batch_cost(sweep(rows, o), 4, 16)
+    assert check.holds and check.name == "batch 4 in batch-1 steps" and check.detail.startswith("1.97 < 2.00")
+    assert not timing.batch_cost(sweep(rows, o), 16, 16).holds
+    # a 16-row matmul that costs 2.25 matrix-vector products: the midpoint moves to sqrt(16 * 2.25) = 6
+    check = timing.batch_cost(sweep(rows, o, read_cost={1: 1.0, 4: 1.0, 16: 2.25}), 16, 16)
+    assert check.holds and check.detail.startswith("4.33 < 6.00")
+    # a matmul measured faster at 4 rows than at one counts as 1: the bound never drops below sqrt(b)
+    assert timing.batch_cost(sweep(rows, o, read_cost={1: 1.0, 4: 0.9, 16: 1.0}), 4, 16).detail.startswith(
+        "1.97 < 2.00"
+    )
 
 
 def prefill_sweep(ttft_s, step_s):

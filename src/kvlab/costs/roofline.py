@@ -182,6 +182,19 @@ def _hardware(hw: Hardware) -> hardware.Ceilings:
     return hw
 
 
+def memory_seconds(
+    total_bytes: float, weight_bytes: float, hw: hardware.Ceilings, efficiency: float = 1.0
+) -> float:
+    """Seconds to move a step's `total_bytes` at `efficiency` × the ceilings: its `weight_bytes` at
+    `hardware.weight_read_rate` (the bandwidth, or a measured matrix-vector rate where it differs, as on a
+    CPU), the rest (the cache) at the bandwidth."""
+    bandwidth = hw.bandwidth_bytes_per_s * efficiency
+    weight_rate = hardware.weight_read_rate(hw) * efficiency
+    if weight_rate == bandwidth:
+        return total_bytes / bandwidth
+    return weight_bytes / weight_rate + (total_bytes - weight_bytes) / bandwidth
+
+
 def _dtypes(config: Config, dtype: DType, kv_dtype: DType) -> tuple[DType, DType]:
     config = resolve(config)
     dtype = config_dtype(config) if dtype is None else dtype
@@ -214,7 +227,7 @@ def _decode(
     flops = batch * (2 * cost.active_params + cost.attention_flops(context_len))
     return StepEstimate(
         compute_s=flops / hw.flops,
-        memory_s=(weights + kv) / hw.bandwidth_bytes_per_s,
+        memory_s=memory_seconds(weights + kv, weights, hw),
         flops=flops,
         bytes=weights + kv,
         weight_bytes=weights,
@@ -278,10 +291,11 @@ def realistic_time(
     realism = REALISM if realism is None else realism
     hw = _hardware(hw)
     measured = isinstance(hw, hardware.Measurement)
-    bw = hw.bandwidth_bytes_per_s * (1.0 if measured else realism.bandwidth_efficiency)
+    efficiency = 1.0 if measured else realism.bandwidth_efficiency
+    memory = memory_seconds(step.bytes, step.weight_bytes, hw, efficiency)
     peak = hardware.peak_flops(hw, None if dtype is None else str(dtype))
     flops = peak * (1.0 if measured else realism.flops_efficiency)
-    return max(step.flops / flops, step.bytes / bw) + realism.step_overhead_s
+    return max(step.flops / flops, memory) + realism.step_overhead_s
 
 
 def decode_step(
@@ -344,7 +358,7 @@ def prefill(
     ) + batch_size * cost.prefill_attention_flops(prompt_len)
     return StepEstimate(
         compute_s=flops / hw.flops,
-        memory_s=(weights + kv) / hw.bandwidth_bytes_per_s,
+        memory_s=memory_seconds(weights + kv, weights, hw),
         flops=flops,
         bytes=weights + kv,
         weight_bytes=weights,

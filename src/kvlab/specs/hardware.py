@@ -12,14 +12,14 @@ or fp16 on parts without bf16 tensor cores. The host link is the PCIe bandwidth 
 
 This module alone measures copies and links on the machine at hand: a copy within device (or host) memory
 (`CopyProbe`), a copy over the host link (`HostLinkProbe`, either direction, pinned or pageable), a matmul
-(`MatmulProbe`), each timed by `kvlab.measure.time_call`; `measure` gathers them into the ceilings the roofline
+(`MatmulProbe`), a model's linear maps at a batch (`LinearProbe`), each timed by `kvlab.measure.time_call`; `measure` gathers them into the ceilings the roofline
 runs on. Importing it does not import torch (the CLI reads the spec table alone): the probes import it when built.
 Chapters: *Why decode is bandwidth-bound* (book/04_bandwidth_bound), *Active tokens, not batch size* (book/05_active_tokens).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -389,10 +389,25 @@ class Measurement:
     interconnect_bytes_per_s: float | None = None
     source: str = "measured by kvlab.specs.hardware.measure"
     note: str = ""
+    # The rate a matrix-vector product reads weights (`LinearProbe`), where it, not the copy, sets how fast a
+    # step reads its weights: on a CPU. None: weights are read at `bandwidth_bytes_per_s`, like the cache.
+    weight_read_bytes_per_s: float | None = None
 
     @property
     def ridge_flops_per_byte(self) -> float:
         return self.flops / self.bandwidth_bytes_per_s
+
+    @property
+    def weight_ridge_flops_per_byte(self) -> float:
+        """FLOP per weight byte at which a step's weight reads take as long as its matmuls."""
+        return self.flops / weight_read_rate(self)
+
+
+def weight_read_rate(hw: Ceilings) -> float:
+    """Bytes per second at which `hw` reads a model's weights: a measured matrix-vector rate where it has one
+    (`Measurement.weight_read_bytes_per_s`), else its bandwidth."""
+    rate = getattr(hw, "weight_read_bytes_per_s", None)
+    return hw.bandwidth_bytes_per_s if rate is None else float(rate)
 
 
 def _host_memory_bytes() -> int:
@@ -472,6 +487,73 @@ class CopyProbe(_CopyProbe):
     def bandwidth_bytes_per_s(self) -> float:
         """Bytes read + written over the fastest copy timed so far (STREAM's count: 2 × the buffer)."""
         return 2 * self.nbytes / self.fastest_s()
+
+
+class LinearProbe(_Probe):
+    """`rows` activation rows through a stack of weight matrices, as a decode step of `rows` sequences runs its
+    layers' linear maps, kept ready to time again and again (see `CopyProbe`).
+
+    It measures what the copy cannot: the rate at which this device's matmul kernels stream weights at that
+    batch. On a CPU the host runs each kernel in turn, so the kernel, not the memory system, sets how fast a
+    decode step reads its weights: a matrix-vector product can read at well under the rate a copy moves bytes,
+    and a few-row matmul at well under the matrix-vector product's (MKL on AMD EPYC, for one).
+    """
+
+    def __init__(
+        self, weights: Sequence[torch.Tensor], rows: int = 1, clock: Callable[[], float] | None = None
+    ) -> None:
+        import torch
+
+        if not weights:
+            raise ValueError("LinearProbe needs at least one weight matrix")
+        check_count("rows", rows)
+        super().__init__(weights[0].device, clock)
+        self.weights, self.rows = list(weights), rows
+        dtype = weights[0].dtype
+        widths = {int(w.shape[1]) for w in self.weights}
+        self.inputs = {k: torch.full((rows, k), 0.5, dtype=dtype, device=self.device) for k in widths}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.weights)
+
+    def run(self) -> object:
+        import torch.nn.functional as F
+
+        return [F.linear(self.inputs[int(w.shape[1])], w) for w in self.weights]
+
+    @property
+    def read_bytes_per_s(self) -> float:
+        """Weight bytes over the fastest pass timed so far."""
+        return self.nbytes / self.fastest_s()
+
+
+def linear_weights(
+    shapes: Sequence[tuple[int, int]],
+    size_bytes: int,
+    dtype: torch.dtype,
+    device: str | torch.device | None = None,
+) -> list[torch.Tensor]:
+    """Weight matrices of `shapes` (out × in, a model's linear maps in the order it runs them), in `dtype` on
+    `device`: the longest prefix of `shapes` within `size_bytes`, and at least the first. Constant values: the
+    time of a dense matmul does not depend on them."""
+    import torch
+
+    from kvlab.env import pick_device
+
+    if not shapes:
+        raise ValueError("linear_weights needs at least one shape")
+    check_count("size_bytes", size_bytes, 1)
+    target, itemsize = pick_device(device), torch.empty((), dtype=dtype).element_size()
+    weights: list[torch.Tensor] = []
+    total = 0
+    for out_features, in_features in shapes:
+        nbytes = out_features * in_features * itemsize
+        if weights and total + nbytes > size_bytes:
+            break
+        weights.append(torch.full((out_features, in_features), 0.01, dtype=dtype, device=target))
+        total += nbytes
+    return weights
 
 
 class HostLinkProbe(_CopyProbe):
