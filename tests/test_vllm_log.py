@@ -59,8 +59,40 @@ def test_both_families_of_the_profiling_line_are_read():
     assert v1.available_kv.half_ulp_bytes == round(0.005 * 2**30)
 
 
+def test_the_one_line_ledger_gives_the_total_the_terms_and_non_torch_by_difference():
+    # the wording of wtdcode/vllm-backport#34's lines, with round figures
+    ledger = vllm_log.parse(
+        "[model_runner.py:407] Model loading took 15.0 GiB memory and 5.4 seconds\n"
+        "[gpu_worker.py:955] Free memory on device (78.84/79.25 GiB) on startup. Desired GPU memory utilization "
+        "is (0.92, 72.91 GiB). Actual usage is 15.26 GiB for consumed memory (weights + non-torch), 1.44 GiB for "
+        "peak activation, and 0.23 GiB for CUDAGraph memory. Current kv cache memory in use is 56.2 GiB.\n"
+    )
+    gib = 2**30
+    assert ledger.format == "v1" and ledger.gpu_memory_utilization == 0.92
+    assert ledger.total_gpu_memory == vllm_log.Printed(round(79.25 * gib), round(0.005 * gib))
+    assert ledger.activation_peak is not None and ledger.activation_peak.bytes == round(1.44 * gib)
+    assert ledger.cuda_graph is not None and ledger.cuda_graph.bytes == round(0.23 * gib)
+    assert ledger.available_kv is not None and ledger.available_kv.bytes == round(56.2 * gib)
+    # non-torch memory: 15.26 - 15.0 GiB, within the two figures' roundings (0.005 + 0.05 GiB)
+    non_torch = ledger.non_torch_memory
+    assert non_torch == vllm_log.Printed(
+        round(15.26 * gib) - round(15.0 * gib), round(0.005 * gib) + round(0.05 * gib)
+    )
+    assert ledger.non_torch is None and ledger.printed_bytes()["weights_and_non_torch_bytes"] == round(
+        15.26 * gib
+    )
+    # without the weights' own line the two stay one figure
+    alone = vllm_log.parse(
+        "Actual usage is 15.26 GiB for consumed memory (weights + non-torch), 1.44 GiB for peak "
+        "activation. Current kv cache memory in use is 56.2 GiB."
+    )
+    assert alone.non_torch_memory is None and alone.weights_and_non_torch is not None
+
+
 def test_a_log_without_kv_lines_gets_one_line_naming_them():
-    with pytest.raises(ValueError, match="Available KV cache memory.*GPU KV cache size.*# GPU blocks") as err:
+    with pytest.raises(
+        ValueError, match="Available KV cache memory.*GPU KV cache size.*# GPU blocks.*in use"
+    ) as err:
         vllm_log.parse("INFO Starting vLLM API server on http://0.0.0.0:8000\n")
     assert "\n" not in str(err.value)
 

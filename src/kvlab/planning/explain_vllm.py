@@ -189,7 +189,9 @@ def explain(log: StartupLog, model: str | None = None, total_bytes: int | None =
     utilization = log.gpu_memory_utilization
     out = [
         f"vLLM start-up log ({log.format}, vLLM {log.vllm_version or 'version not printed'}): "
-        f"model {name or 'not printed (pass --model)'}, TP={tp}, max_seq_len={log.max_seq_len or 'not printed'}"
+        f"model {name or 'not printed (pass --model)'}, "
+        f"TP={tp}{'' if log.tensor_parallel_size else ' (not printed: 1 assumed)'}, "
+        f"max_seq_len={log.max_seq_len or 'not printed'}"
     ]
     if sized is None:
         out.append(
@@ -246,9 +248,26 @@ def explain(log: StartupLog, model: str | None = None, total_bytes: int | None =
         ),
         Term(
             "non-torch memory",
-            printed(log.non_torch),
+            printed(log.non_torch_memory),
             mb.runtime_bytes if mb else None,
-            f"kvlab: estimate at TP={tp} (kvlab.costs.budget.non_torch_bytes)",
+            f"kvlab: estimate at TP={tp} (kvlab.costs.budget.non_torch_bytes)"
+            + (
+                "; vLLM's: its weights + non-torch less its weights"
+                if log.non_torch is None and log.non_torch_memory
+                else ""
+            ),
+        ),
+        *(
+            [
+                Term(
+                    "weights + non-torch",
+                    printed(log.weights_and_non_torch),
+                    mb.weight_bytes + mb.runtime_bytes if mb else None,
+                    "printed as one figure (vLLM's one-line ledger)",
+                )
+            ]
+            if log.weights_and_non_torch is not None and log.non_torch_memory is None
+            else []
         ),
         Term(
             "activation peak",
@@ -343,6 +362,8 @@ def _bytes_per_token(sized: str, dtype: str | None, tp: int) -> int:
 _LEVERS = {
     "engine reserve": "raise --gpu-memory-utilization (the reserve is the largest term)",
     "weights": "shard the weights: a larger --tensor-parallel-size (the weights are the largest term)",
+    "weights + non-torch": "shard the weights: a larger --tensor-parallel-size (weights and non-torch memory, "
+    "printed as one figure, are the largest term)",
     "activation peak": "a smaller --max-num-batched-tokens (the activation peak is the largest term)",
     "non-torch memory": "raise --gpu-memory-utilization, or fewer GPUs per engine (non-torch memory is the largest term)",
     "CUDA graphs": "--enforce-eager or fewer capture sizes (CUDA graphs are the largest term)",

@@ -12,6 +12,13 @@ vLLM prints its KV budget at start-up, in words that changed between versions. T
   PyTorch activation peak memory takes ...; the rest of the memory reserved for KV Cache is ..." (vllm/worker/
   worker.py, vllm-project/vllm#10511), and "# GPU blocks: N" (or "# CUDA blocks: N").
 
+Newer v1 workers also print the whole ledger on one line: "Free memory on device (F/T GiB) on startup. Desired
+GPU memory utilization is (U, X GiB). Actual usage is A GiB for consumed memory (weights + non-torch), B GiB for
+peak activation, and C GiB for CUDAGraph memory. ... Current kv cache memory in use is K GiB." (as posted in
+wtdcode/vllm-backport#34). It gives the total, the utilisation, weights and non-torch memory as one figure, the
+activation peak, the graphs' actual memory and the pool; with "Model loading took" beside it, non-torch memory is
+the difference (`StartupLog.non_torch_memory`).
+
 Both families print sizes in units of 2**30 bytes, even where the word is "GB" (vLLM divides by `GiB_bytes`), so
 both convert with 2**30. Published logs are kept in tests/data/vllm_logs/ with their sources. Used by
 `kvlab explain-vllm` (`kvlab.planning.explain_vllm`).
@@ -63,6 +70,19 @@ class StartupLog:
     num_gpu_blocks: int | None
     max_concurrency: float | None
     max_concurrency_tokens: int | None
+    # The one-line ledger's "consumed memory (weights + non-torch)"
+    weights_and_non_torch: Printed | None = None
+
+    @property
+    def non_torch_memory(self) -> Printed | None:
+        """Memory outside PyTorch: as printed, or the one-line ledger's weights + non-torch less the printed
+        weights (their roundings add)."""
+        if self.non_torch is not None:
+            return self.non_torch
+        if self.weights_and_non_torch is None or self.weights is None:
+            return None
+        both, weights = self.weights_and_non_torch, self.weights
+        return Printed(both.bytes - weights.bytes, both.half_ulp_bytes + weights.half_ulp_bytes)
 
     @property
     def tokens(self) -> int | None:
@@ -82,6 +102,7 @@ class StartupLog:
         return {
             "weights_bytes": size(self.weights),
             "non_torch_bytes": size(self.non_torch),
+            "weights_and_non_torch_bytes": size(self.weights_and_non_torch),
             "activation_peak_bytes": size(self.activation_peak),
             "cuda_graph_bytes": size(self.cuda_graph),
             "available_kv_bytes": size(self.available_kv),
@@ -125,22 +146,33 @@ def parse(text: str) -> StartupLog:
         rf"Available KV cache memory: {_NUMBER} ?(GiB|MiB)",
         rf"reserved for KV Cache is {_NUMBER} ?(GiB)",
         rf"kv_cache_size={_NUMBER} ?(GiB)",
+        rf"Current kv cache memory in use is {_NUMBER} ?(GiB)",
     )
     tokens = _int(text, rf"GPU KV cache size: {_NUMBER} tokens")
     blocks = _int(text, r"(?:GPU|CUDA) blocks: (\d+)", r"num_gpu_blocks is: (\d+)")
     if available is None and tokens is None and blocks is None:
         raise ValueError(
             "not a vLLM start-up log: found none of 'Available KV cache memory', "
-            "'GPU KV cache size', '# GPU blocks'"
+            "'GPU KV cache size', '# GPU blocks', 'Current kv cache memory in use'"
         )
     concurrency = re.search(rf"Maximum concurrency for {_NUMBER} tokens per request: ([\d.]+)x", text)
-    v1_markers = ("V1 LLM engine", "GPU KV cache size", "Available KV cache memory", "kv_cache_utils.py")
+    v1_markers = (
+        "V1 LLM engine",
+        "GPU KV cache size",
+        "Available KV cache memory",
+        "kv_cache_utils.py",
+        "gpu_worker.py",
+    )
     eager = _word(text, r"enforce_eager=(True|False)")
     dtype = _word(text, r"\bdtype(?:=|': ')(?:torch\.)?(\w+)")
-    utilization = _word(text, r"gpu_memory_utilization(?:=| \(|'?: )(\d+(?:\.\d+)?)") or _word(
-        # vLLM >= 0.21's CUDA-graph profiling line names the setting by its flag
-        text,
-        r"The current --gpu-memory-utilization=(\d+(?:\.\d+)?)",
+    utilization = (
+        _word(text, r"gpu_memory_utilization(?:=| \(|'?: )(\d+(?:\.\d+)?)")
+        or _word(
+            # vLLM >= 0.21's CUDA-graph profiling line names the setting by its flag
+            text,
+            r"The current --gpu-memory-utilization=(\d+(?:\.\d+)?)",
+        )
+        or _word(text, r"Desired GPU memory utilization is \((\d+(?:\.\d+)?),")
     )
     return StartupLog(
         format="v1" if any(marker in text for marker in v1_markers) else "v0",
@@ -154,7 +186,11 @@ def parse(text: str) -> StartupLog:
         block_size=_int(text, r"\bblock_size=(\d+)", r"Block size is set to (\d+)"),
         gpu_memory_utilization=None if utilization is None else float(utilization),
         max_num_batched_tokens=_int(text, r"max_num_batched_tokens(?:=|': )(\d+)"),
-        total_gpu_memory=_size(text, rf"total_gpu_memory(?:=| \(){_NUMBER} ?(GiB)"),
+        total_gpu_memory=_size(
+            text,
+            rf"total_gpu_memory(?:=| \(){_NUMBER} ?(GiB)",
+            rf"Free memory on device \([\d.]+/{_NUMBER} ?(GiB)\)",
+        ),
         weights=_size(
             text,
             rf"Loading model weights took {_NUMBER} ?(GiB|GB)",
@@ -162,11 +198,23 @@ def parse(text: str) -> StartupLog:
             rf"model weights take {_NUMBER} ?(GiB)",
         ),
         non_torch=_size(text, rf"non_torch_memory(?: takes |=){_NUMBER} ?(GiB)"),
-        activation_peak=_size(text, rf"PyTorch activation peak memory takes {_NUMBER} ?(GiB)"),
-        cuda_graph=_size(text, rf"Estimated CUDA graph memory: {_NUMBER} ?(GiB|MiB)"),
+        activation_peak=_size(
+            text,
+            rf"PyTorch activation peak memory takes {_NUMBER} ?(GiB)",
+            rf"{_NUMBER} ?(GiB) for peak activation",
+        ),
+        # the estimate where printed (what the budget subtracted), else the ledger's measured figure
+        cuda_graph=_size(
+            text,
+            rf"Estimated CUDA graph memory: {_NUMBER} ?(GiB|MiB)",
+            rf"{_NUMBER} ?(GiB) for CUDAGraph memory",
+        ),
         available_kv=available,
         kv_cache_tokens=tokens,
         num_gpu_blocks=blocks,
         max_concurrency=None if concurrency is None else float(concurrency.group(2)),
         max_concurrency_tokens=None if concurrency is None else int(concurrency.group(1).replace(",", "")),
+        weights_and_non_torch=_size(
+            text, rf"Actual usage is {_NUMBER} ?(GiB) for consumed memory \(weights \+ non-torch\)"
+        ),
     )
