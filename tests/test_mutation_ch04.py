@@ -55,7 +55,14 @@ def test_a_roofline_with_its_bytes_doubled_misses(model, monkeypatch):
 
     def doubled(*args):
         step = real(*args)
-        return dataclasses.replace(step, bytes=2 * step.bytes, memory_s=2 * step.memory_s)
+        # every byte count: the weights' and the cache's (the memory term splits them by rate on a CPU)
+        return dataclasses.replace(
+            step,
+            bytes=2 * step.bytes,
+            weight_bytes=2 * step.weight_bytes,
+            kv_bytes=2 * step.kv_bytes,
+            memory_s=2 * step.memory_s,
+        )
 
     monkeypatch.setattr(roofline, "_decode", doubled)
     run(model)
