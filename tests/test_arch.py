@@ -3,7 +3,7 @@ import time
 from pathlib import Path
 
 import pytest
-from transformers import AutoConfig, PretrainedConfig
+from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 
 from kvlab import models
 from kvlab.specs import arch, shape
@@ -28,6 +28,8 @@ INDEX = json.loads((CONFIGS / "index.json").read_text())["models"]
 # What the chapters read off each published config: layers, query heads, KV heads (1 for MLA's shared latent),
 # head dim (MLA: nope + rope), hidden size, vocab, the config's dtype, and the layer kinds with their windows.
 FULL, MLA, STATE, NONE = "full", "mla", "state", "none"
+# Both Llama 4 models share one text decoder's attention: 48 layers, 40 query and 8 KV heads of 128, hidden 5120
+LLAMA4_TEXT = (48, 40, 8, 128, 5120, 202048, "bfloat16", {8192: 36, "full": 12})
 EXPECTED = {
     "meta-llama/Llama-2-7b-hf": (32, 32, 32, 128, 4096, 32000, "float16", {FULL: 32}),
     "meta-llama/Llama-2-13b-hf": (40, 40, 40, 128, 5120, 32000, "float16", {FULL: 40}),
@@ -77,13 +79,21 @@ EXPECTED = {
         "bfloat16",
         {STATE: 23, NONE: 23, FULL: 6},
     ),
+    # Llama 4: chunked local attention (8192-token chunks) on three layers in four, cached as a window
+    "meta-llama/Llama-4-Scout-17B-16E-Instruct": LLAMA4_TEXT,
+    "meta-llama/Llama-4-Maverick-17B-128E-Instruct": LLAMA4_TEXT,
+    "moonshotai/Kimi-K2-Instruct": (61, 64, 1, 192, 7168, 163840, "bfloat16", {MLA: 61}),
+    # MLA with DeepSeek Sparse Attention's indexer on every layer (indexed_attention)
+    "deepseek-ai/DeepSeek-V3.2": (61, 128, 1, 192, 7168, 129280, "bfloat16", {MLA: 61}),
 }
 MLA_RANKS = {
     "deepseek-ai/DeepSeek-V2-Lite": (None, 512, 64),
     "deepseek-ai/DeepSeek-V3": (1536, 512, 64),
     "deepseek-ai/DeepSeek-R1": (1536, 512, 64),
+    "moonshotai/Kimi-K2-Instruct": (1536, 512, 64),
+    "deepseek-ai/DeepSeek-V3.2": (1536, 512, 64),
 }
-STATUSES = {"verbatim", "content-verified", "reconstructed, not verified verbatim"}
+STATUSES = {"verbatim", "verbatim, abridged", "content-verified", "reconstructed, not verified verbatim"}
 
 
 def test_every_stored_config_is_indexed_and_every_entry_stored():
@@ -136,8 +146,19 @@ def test_get_returns_a_fresh_copy_of_the_published_file(name):
     a.get_text_config(decoder=True).num_hidden_layers = -1  # editing a copy leaves the registry alone
     assert arch.get(name).get_text_config(decoder=True).num_hidden_layers == EXPECTED[name][0]
     # The same path as any local file or Hub id: AutoConfig.from_pretrained on the stored config.json.
-    direct = AutoConfig.from_pretrained(arch.config_path(name), **INDEX[name].get("defaults", {}))
+    loader = CONFIG_MAPPING[INDEX[name]["load_as"]] if "load_as" in INDEX[name] else AutoConfig
+    direct = loader.from_pretrained(arch.config_path(name), **INDEX[name].get("defaults", {}))
     assert direct.to_diff_dict() | {"_name_or_path": name} == b.to_diff_dict() | {"_name_or_path": name}
+
+
+def test_a_model_type_transformers_does_not_register_is_read_as_its_architecture():
+    # Kimi K2's kimi_k2 is DeepSeek-V3's architecture (its config's own architectures and auto_map say so)
+    assert (
+        INDEX["moonshotai/Kimi-K2-Instruct"]["load_as"] == "deepseek_v3" and "kimi_k2" not in CONFIG_MAPPING
+    )
+    kimi = arch.get("moonshotai/Kimi-K2-Instruct")
+    assert type(kimi) is CONFIG_MAPPING["deepseek_v3"] and kimi.model_type == "kimi_k2"
+    assert arch.describe(kimi).attention_type == "MLA"
 
 
 def test_resolve_takes_a_config_or_a_name():

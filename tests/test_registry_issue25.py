@@ -27,6 +27,10 @@ BLOBS = {
     "Qwen/Qwen3-Next-80B-A3B-Thinking": "5dd2306b54556f95ca808dc626e351786f496ff8",
     "nvidia/Nemotron-H-56B-Base-8K": "fba672a5c42ed1c246fbec88c4b84944b9a9f00f",
     "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": "93adac73c757ca58fb9b1b3d7f4ff5ab322004ea",
+    "meta-llama/Llama-4-Scout-17B-16E-Instruct": "6ad2d422ec6186af3d142a24c84d177039ff983d",
+    "meta-llama/Llama-4-Maverick-17B-128E-Instruct": "93dc9fc6a1adcf9595f85fc9b1607c70d516ee8d",
+    "moonshotai/Kimi-K2-Instruct": "09a59d7ee7aa257764bdc823ae51efc269ae3b09",
+    "deepseek-ai/DeepSeek-V3.2": "d44a9480898d1e6a0ef8229dbb5227394f5c06c4",
 }
 
 
@@ -37,7 +41,10 @@ def _git_blob(data: bytes) -> str:
 @pytest.mark.parametrize("name", BLOBS)
 def test_stored_copy_is_the_vendored_file_byte_for_byte(name):
     entry = json.loads(arch.config_path(name).with_name("index.json").read_text())["models"][name]
-    assert entry["status"] == "verbatim" and entry["found"]["repo"] == "ai-dynamo/aiconfigurator"
+    assert (
+        entry["status"] in ("verbatim", "verbatim, abridged")
+        and entry["found"]["repo"] == "ai-dynamo/aiconfigurator"
+    )
     assert _git_blob(arch.config_path(name).read_bytes()) == BLOBS[name]
 
 
@@ -71,6 +78,8 @@ def test_gpt_oss_sliding_layers_stop_growing_at_128_tokens(name, full_layers, sl
         ("mistralai/Mixtral-8x22B-v0.1", 56 * 2 * 8 * 128 * BF16),  # 56 layers, 8 KV heads, head_dim 6144/48
         ("Qwen/Qwen3-30B-A3B", 48 * 2 * 4 * 128 * BF16),  # 48 layers, 4 KV heads, head_dim 128
         ("deepseek-ai/DeepSeek-R1", 61 * (512 + 64) * BF16),  # MLA: kv_lora_rank 512 + qk_rope_head_dim 64
+        # DeepSeek-V3's latent on 61 layers; its 64 query heads do not enter the cache
+        ("moonshotai/Kimi-K2-Instruct", 61 * (512 + 64) * BF16),
     ],
 )
 def test_full_attention_models_per_token(name, expected):
@@ -114,3 +123,31 @@ def test_nemotron_h_mamba2_state_and_kv(
     assert sizing.kv_bytes_per_token(name, "bf16") == kv
     assert sizing.state_bytes_per_sequence(name, "bf16") == state
     assert sizing.kv_cache_bytes(name, 8192, 1, "bf16") == kv * 8192 + state
+
+
+@pytest.mark.parametrize(
+    "name", ["meta-llama/Llama-4-Scout-17B-16E-Instruct", "meta-llama/Llama-4-Maverick-17B-128E-Instruct"]
+)
+def test_llama4_chunked_layers_stop_growing_at_their_chunk(name):
+    # text_config: 48 layers, num_key_value_heads 8, head_dim 128, attention_chunk_size 8192; transformers'
+    # default no_rope_layers makes every fourth layer global (12) and the others chunked (36).
+    per_layer = 2 * 8 * 128 * BF16
+    assert sizing.kv_bytes_per_token(name, "bf16") == 48 * per_layer
+    # A chunked layer holds at most 8191 earlier tokens (transformers' ChunkedSlidingLayer, as a window)
+    assert sizing.kv_cache_bytes(name, 8191, 1, "bf16") == 48 * per_layer * 8191
+    grown = sizing.kv_cache_bytes(name, 32768, 1, "bf16") - sizing.kv_cache_bytes(name, 16384, 1, "bf16")
+    assert grown == 12 * per_layer * 16384
+    assert sizing.state_bytes_per_sequence(name, "bf16") == 0
+
+
+def test_deepseek_v32_caches_an_indexer_key_beside_the_latent_and_reads_the_top_k_latents():
+    # config.json: 61 layers, kv_lora_rank 512, qk_rope_head_dim 64, index_head_dim 128, index_topk 2048.
+    # transformers' DynamicIndexedLayer keeps [batch, seq_len, index_head_dim] indexer keys beside the latent.
+    name = "deepseek-ai/DeepSeek-V3.2"
+    assert sizing.kv_bytes_per_token(name, "bf16") == 61 * (512 + 64 + 128) * BF16
+    assert sizing.kv_cache_bytes(name, 131072, 1, "bf16") == 61 * (512 + 64 + 128) * BF16 * 131072
+    # A decode step reads every indexer key but only the 2048 latents the indexer picks
+    assert sizing.kv_read_bytes(name, 131072, "bf16") == 61 * ((512 + 64) * 2048 + 128 * 131072) * BF16
+    assert sizing.kv_read_bytes(name, 2048, "bf16") == sizing.kv_cache_bytes(name, 2048, 1, "bf16")
+    # DeepSeek-V3's cache, the same latent without the indexer, for comparison
+    assert sizing.kv_bytes_per_token("deepseek-ai/DeepSeek-V3", "bf16") == 61 * (512 + 64) * BF16

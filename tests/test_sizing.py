@@ -146,6 +146,26 @@ def test_published_per_token_bytes(name, per_token):
     assert sizing.kv_bytes_per_token(name, "bf16") == per_token
 
 
+def test_sparse_mla_attends_to_its_top_k_and_its_indexer_scores_every_token():
+    from kvlab.specs.layers import MLAttention
+
+    plain = MLAttention(num_heads=4, qk_head_dim=24, v_head_dim=16, latent_dim=16, rope_dim=8)
+    sparse = MLAttention(4, 24, 16, 16, 8, index_dim=16, index_heads=2, index_topk=8)
+    assert (plain.elements_per_token, sparse.elements_per_token) == (24, 40)
+    assert sparse.expanded_elements_per_token == plain.expanded_elements_per_token + 16
+    assert (sparse.attended(5), sparse.attended(20), plain.attended(20)) == (5, 8, 20)
+    assert sparse.unread_elements(20) == 24 * 12 and sparse.unread_elements(8) == 0 == plain.unread_elements(
+        20
+    )
+    # decode: the latent attention over the top 8, plus 2 index heads x q.k of 16 over all 20 tokens
+    assert sparse.attention_flops(20, 4) == plain.attention_flops(8, 4) + 2 * 2 * 16 * 20
+    # prefill: a ramp to 8 keys then 8 per query for the latent; the whole triangle for the indexer
+    assert sparse.prefill_pairs(20) == 8 * 9 / 2 + 12 * 8
+    assert (
+        sparse.prefill_attention_flops(20, 4) == 4 * plain.pair_flops_per_head * (36 + 96) + 2 * 2 * 16 * 210
+    )
+
+
 def test_mla_expanded_size():
     # DeepSeek-V3: 128 heads x (K: 128 + 64, V: 128) per layer.
     assert sizing.kv_bytes_per_token_expanded("deepseek-ai/DeepSeek-V3", "bf16") == 61 * 128 * (192 + 128) * 2

@@ -36,13 +36,16 @@ logging.getLogger("transformers.integrations.hub_kernels").addFilter(_ReferenceK
 FAMILIES = (
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3",
     "falcon", "opt", "gpt2", "deepseek_v2", "deepseek_v3",
-    "gpt_oss", "qwen3_moe", "qwen3_next", "nemotron_h",
+    "gpt_oss", "qwen3_moe", "qwen3_next", "nemotron_h", "llama4_text", "deepseek_v32",
 )  # fmt: skip
-_SLIDING_FAMILIES = {"mistral", "mixtral", "qwen2", "gemma2", "gemma3_text", "phi3", "gpt_oss"}
+# Llama 4's `window` is its attention_chunk_size: three layers in four attend within their chunk.
+_SLIDING_FAMILIES = {"mistral", "mixtral", "qwen2", "gemma2", "gemma3_text", "phi3", "gpt_oss", "llama4_text"}
 _MHA_ONLY = {"opt", "gpt2"}
+# Multi-head latent attention; DeepSeek-V3.2 adds its sparse attention's indexer (`index_*` fields)
+_MLA_FAMILIES = {"deepseek_v2", "deepseek_v3", "deepseek_v32"}
 _HEAD_DIM_FAMILIES = {
     "llama", "mistral", "mixtral", "qwen3", "gemma2", "gemma3_text", "gpt_oss", "qwen3_moe", "qwen3_next",
-    "nemotron_h",
+    "nemotron_h", "llama4_text",
 }  # fmt: skip
 # Families whose config lists each layer's type (Nemotron-H calls the list `layers_block_type`): `tiny_config`
 # takes that list as `layer_types`, and `scaled_down` shortens the registry model's own list.
@@ -109,7 +112,7 @@ def tiny_config(
         raise ValueError(f"kv_heads={kv_heads} must be positive and divide heads={heads}")
     if head_dim is None and hidden % heads:
         raise ValueError(f"hidden={hidden} must be divisible by heads={heads} (or pass head_dim)")
-    if head_dim is not None and family not in _HEAD_DIM_FAMILIES | {"deepseek_v2", "deepseek_v3"}:
+    if head_dim is not None and family not in _HEAD_DIM_FAMILIES | _MLA_FAMILIES:
         raise ValueError(f"{family} derives head_dim from hidden/heads; pass hidden and heads instead")
     if window is not None and family not in _SLIDING_FAMILIES:
         raise ValueError(f"{family} has no sliding-window attention; window must be None")
@@ -158,13 +161,20 @@ def tiny_config(
     elif family == "gpt_oss":
         # Its attention always builds a sliding mask: without a window, all layers are full and the window unused.
         fields["sliding_window"] = window if window is not None else max_positions
+    elif family == "llama4_text":
+        # Without a window every layer attends globally (transformers' chunked layers need a chunk size).
+        fields["attention_chunk_size"] = window
+        if window is None:
+            fields["no_rope_layers"] = [0] * layers
     elif family in _SLIDING_FAMILIES:
         fields["sliding_window"] = window
     if family == "mixtral":
         fields.update(num_local_experts=4, num_experts_per_tok=2)
     elif family == "qwen3_moe":
         fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=inter // 2)
-    if family in ("deepseek_v2", "deepseek_v3"):
+    elif family == "llama4_text":
+        fields.update(num_local_experts=2, num_experts_per_tok=1, intermediate_size_mlp=inter)
+    if family in _MLA_FAMILIES:
         qk_nope = head_dim or hidden // heads
         fields.update(
             kv_lora_rank=latent,
@@ -172,6 +182,12 @@ def tiny_config(
             qk_nope_head_dim=qk_nope,
             v_head_dim=qk_nope,
             q_lora_rank=None if family == "deepseek_v2" else 2 * latent,
+            # DeepSeek-V3.2's indexer rotates the first qk_rope_head_dim elements of its keys
+            **(
+                dict(index_head_dim=2 * rope_dim, index_n_heads=2, index_topk=8)
+                if family == "deepseek_v32"
+                else {}
+            ),
             n_routed_experts=4,
             n_shared_experts=1,
             num_experts_per_tok=2,
@@ -317,7 +333,9 @@ def scaled_down(
     config = get(name)
     text = config.get_text_config(decoder=True)
     spec = describe(config)
-    family = "gemma3_text" if text.model_type == "gemma3_text" else text.model_type
+    # The config class's own model_type: a registry entry read as another family's config (Kimi K2 as
+    # DeepSeek-V3, `arch`'s "load_as") is a tiny model of that family
+    family = type(text).model_type
     if family not in FAMILIES:
         raise ValueError(f"{name!r} is a {family!r} model; tiny models exist for {', '.join(FAMILIES)}")
     kinds = [layer.kind for layer in spec.layers]

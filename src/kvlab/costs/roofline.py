@@ -44,6 +44,7 @@ from kvlab.specs.sizing import (
     DType,
     dtype_bytes,
     kv_cache_bytes,
+    kv_read_bytes,
     param_count,
     weight_bytes,
 )
@@ -223,7 +224,7 @@ def _decode(
     cost = model_cost(config)
     dtype, kv_dtype = _dtypes(config, dtype, kv_dtype)
     weights = _weights_read(config, cost, dtype, batch)
-    kv = batch * kv_cache_bytes(config, context_len, 1, kv_dtype)
+    kv = batch * kv_read_bytes(config, context_len, kv_dtype)
     flops = batch * (2 * cost.active_params + cost.attention_flops(context_len))
     return StepEstimate(
         compute_s=flops / hw.flops,
@@ -533,7 +534,7 @@ def tp_decode_step(
     text = config.get_text_config(decoder=True)
     share = weight_bytes_per_gpu(text, dtype, tp=tp) / weight_bytes(text, dtype)
     weights = whole.weight_bytes * share
-    kv = batch_size * kv_cache_bytes(config, context_len, 1, kv_dtype, tp=tp)
+    kv = batch_size * kv_read_bytes(config, context_len, kv_dtype, tp=tp)
     buffer = allreduce_buffer_bytes(config, batch_size, dtype) if tp > 1 else 0
     sent = ring_allreduce_bytes_sent(buffer, tp)
     calls = 2 * describe(config).num_layers if tp > 1 else 0

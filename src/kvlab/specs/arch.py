@@ -144,10 +144,22 @@ def _hub_missing(name: str) -> str | None:
 @functools.cache
 def _published(name: str) -> PretrainedConfig:
     # Parsed once (from_pretrained costs milliseconds); `get` hands out deep copies that callers may edit.
-    # An index entry's "defaults" fill what the published file leaves out (GPT-2 declares no dtype).
-    from transformers import AutoConfig
+    # An index entry's "defaults" fill what the published file leaves out (GPT-2 declares no dtype); its
+    # "load_as" names the transformers config class of a model_type transformers does not register (Kimi K2's
+    # kimi_k2 is DeepSeek-V3's architecture).
+    from transformers import CONFIG_MAPPING, AutoConfig
+    from transformers.utils import logging
 
-    config = AutoConfig.from_pretrained(config_path(name), **_index()[name].get("defaults", {}))
+    entry = _index()[name]
+    loader = CONFIG_MAPPING[entry["load_as"]] if "load_as" in entry else AutoConfig
+    # The registry's files are checked by kvlab's tests: transformers' remarks on them (a rope field it would
+    # validate otherwise, a model_type read by another class) are not the user's to act on.
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        config = loader.from_pretrained(config_path(name), **entry.get("defaults", {}))
+    finally:
+        logging.set_verbosity(verbosity)
     config.name_or_path = name
     return config
 
@@ -204,6 +216,8 @@ class ArchSpec:
         names = {"full": "full", "sliding": "sliding window", "mla": "MLA latent", "state": "state",
                  "hybrid": "attention + state in one layer"}  # fmt: skip
         present = {layer.kind for layer in self.layers}
+        if any(getattr(layer, "index_dim", 0) for layer in self.layers):
+            names["mla"] = "MLA latent + sparse-attention indexer"
         return " + ".join(names[k] for k in ("state", "hybrid", "sliding", "mla", "full") if k in present)
 
     @property
@@ -251,6 +265,8 @@ def _attention_shape(layer_config: PretrainedConfig) -> tuple[int, int, int]:
 
 
 _FULL = {"full_attention"}
+# DeepSeek-V3.2's sparse attention: MLA plus the indexer's own key cache (`DynamicIndexedLayer`)
+_INDEXED = {"indexed_attention"}
 _SLIDING = {"sliding_attention", "chunked_attention"}
 # transformers' `DummyLayer` (and "moe"/"mlp", which get_layer_types_and_kwargs renames to "dummy"): no cache.
 _NONE = {"dummy"}
@@ -427,7 +443,7 @@ def describe(config: PretrainedConfig | str) -> ArchSpec:
     text = config.get_text_config(decoder=True)
     layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
     # A pure state-space model (Mamba) has no attention heads to read.
-    attends = any(t in _FULL | _SLIDING | _HYBRID for t in layer_types) or not layer_types
+    attends = any(t in _FULL | _SLIDING | _HYBRID | _INDEXED for t in layer_types) or not layer_types
     heads = _attention_shape(text)[0] if attends else 0
     layer_configs = text.per_layer_config
     mla = getattr(text, "kv_lora_rank", None) is not None
@@ -450,14 +466,27 @@ def describe(config: PretrainedConfig | str) -> ArchSpec:
                     HybridLayer(kv_heads, head_dim, head_dim, conv_channels, conv_kernel, recurrent)
                 )
             continue
-        if layer_type not in _FULL | _SLIDING:
+        if layer_type not in _FULL | _SLIDING | (_INDEXED if mla else set()):
             raise UnsupportedConfigError(
                 f"layer {index} of {text.model_type!r} has type {layer_type!r}, whose cache layout kvlab cannot size"
             )
         if mla:
-            if layer_type != "full_attention":
+            if layer_type not in _FULL | _INDEXED:
                 raise UnsupportedConfigError(f"layer {index}: MLA with {layer_type!r} is not supported")
             n_heads = _positive(layer_config, "num_attention_heads", layer_config.num_attention_heads)
+            indexer: dict[str, Any] = {}
+            if layer_type in _INDEXED:
+                indexer = dict(
+                    index_dim=_positive(
+                        layer_config, "index_head_dim", getattr(layer_config, "index_head_dim", None)
+                    ),
+                    index_heads=_positive(
+                        layer_config, "index_n_heads", getattr(layer_config, "index_n_heads", None)
+                    ),
+                    index_topk=_positive(
+                        layer_config, "index_topk", getattr(layer_config, "index_topk", None)
+                    ),
+                )
             layers.append(
                 MLAttention(
                     num_heads=n_heads,
@@ -465,6 +494,7 @@ def describe(config: PretrainedConfig | str) -> ArchSpec:
                     v_head_dim=layer_config.v_head_dim,
                     latent_dim=_positive(layer_config, "kv_lora_rank", layer_config.kv_lora_rank),
                     rope_dim=_positive(layer_config, "qk_rope_head_dim", layer_config.qk_rope_head_dim),
+                    **indexer,
                 )
             )
             continue

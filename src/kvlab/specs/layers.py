@@ -7,7 +7,8 @@ layer type to its cache-layer class (`cache_utils.DYNAMIC_LAYER_TYPE_MAPPING`):
 - `SlidingWindowAttention`: the same, but only the last `window - 1` tokens are kept (`DynamicSlidingWindowLayer`:
   the next query is the window's last position) and a query attends to at most `window` keys;
 - `MLAttention`: DeepSeek's multi-head latent attention; the cache holds one `kv_lora_rank` latent plus the
-  decoupled rotary key per token, shared by all heads (DeepSeek-AI, 2024, arXiv:2405.04434, §2.1);
+  decoupled rotary key per token, shared by all heads (DeepSeek-AI, 2024, arXiv:2405.04434, §2.1), and for
+  DeepSeek-V3.2's sparse attention an indexer key beside them (`DynamicIndexedLayer`);
 - `StateLayer`: a layer with no attention that keeps a fixed-size state per sequence instead (`LinearAttentionLayer`):
   the last `conv_kernel` inputs of a causal convolution, and for Mamba, Mamba-2 and gated DeltaNet a recurrent
   (SSM) state; neither grows with the tokens;
@@ -122,6 +123,10 @@ class LayerSpec(ABC):
         cap = self.max_cached_tokens
         return context if cap is None else min(context, cap)
 
+    def unread_elements(self, context: int) -> int:
+        """Cached elements a decode step at `context` tokens does not read (0: it reads all it holds)."""
+        return 0
+
     def attended(self, context: float) -> float:
         """Keys one query attends to when the sequence is `context` tokens long, counting itself."""
         return context
@@ -216,20 +221,30 @@ class SlidingWindowAttention(FullAttention):
 
 @dataclass(frozen=True)
 class MLAttention(LayerSpec):
+    """Multi-head latent attention; with `index_dim`, DeepSeek-V3.2's sparse attention (DSA): a lightning indexer
+    keeps one `index_dim`-wide key per token beside the latent (transformers' `DynamicIndexedLayer`, a
+    `[batch, seq_len, index_head_dim]` tensor), scores every past token with `index_heads` small heads, and the
+    latent attention reads only the `index_topk` best (DeepSeek-AI, 2025, DeepSeek-V3.2-Exp, "DeepSeek Sparse
+    Attention"; https://github.com/deepseek-ai/DeepSeek-V3.2-Exp)."""
+
     kind: ClassVar[LayerKind] = "mla"
     num_heads: int
     qk_head_dim: int  # nope + rope part of each head's key, after up-projection
     v_head_dim: int
     latent_dim: int  # kv_lora_rank, stored instead of per-head K and V
     rope_dim: int  # the decoupled rotary key, stored beside the latent
+    index_dim: int = 0
+    index_heads: int = 0
+    # Tokens the latent attention reads once the context is longer; None: every token (plain MLA)
+    index_topk: int | None = None
 
     @property
     def elements_per_token(self) -> int:
-        return self.latent_dim + self.rope_dim
+        return self.latent_dim + self.rope_dim + self.index_dim
 
     @property
     def expanded_elements_per_token(self) -> int:
-        return self.num_heads * (self.qk_head_dim + self.v_head_dim)
+        return self.num_heads * (self.qk_head_dim + self.v_head_dim) + self.index_dim
 
     @property
     def cache_heads(self) -> int:
@@ -237,7 +252,31 @@ class MLAttention(LayerSpec):
 
     @property
     def cached_shape(self) -> str:
-        return f"latent {self.latent_dim} + rope {self.rope_dim}"
+        indexer = f" + indexer key {self.index_dim}" if self.index_dim else ""
+        return f"latent {self.latent_dim} + rope {self.rope_dim}{indexer}"
+
+    def attended(self, context: float) -> float:
+        return context if self.index_topk is None else min(context, self.index_topk)
+
+    def unread_elements(self, context: int) -> int:
+        # the latent and rope of the tokens the indexer leaves out; their indexer keys are still read
+        return (self.latent_dim + self.rope_dim) * max(
+            0, self.cached_tokens(context) - int(self.attended(context))
+        )
+
+    def attention_flops(self, context: float, num_heads: int) -> float:
+        # the indexer scores every past token (q.k per index head), the latent attention only the top-k
+        return super().attention_flops(context, num_heads) + self.index_heads * 2 * self.index_dim * context
+
+    def prefill_pairs(self, prompt_len: int) -> float:
+        if self.index_topk is None:
+            return super().prefill_pairs(prompt_len)
+        w = min(self.index_topk, prompt_len)
+        return w * (w + 1) / 2 + (prompt_len - w) * w
+
+    def prefill_attention_flops(self, prompt_len: int, num_heads: int) -> float:
+        indexer = self.index_heads * 2 * self.index_dim * prompt_len * (prompt_len + 1) / 2
+        return super().prefill_attention_flops(prompt_len, num_heads) + indexer
 
     def replicas(self, tp: int) -> int:
         """Every rank keeps the whole latent (vLLM's MLA, without decode context parallelism): `tp` copies."""

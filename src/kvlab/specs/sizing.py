@@ -156,6 +156,15 @@ def kv_cache_bytes_per_stage(
     ]
 
 
+def kv_read_bytes(config: PretrainedConfig | str, context: int, dtype: DType = None, tp: int = 1) -> int:
+    """Bytes of one sequence's cache a decode step at `context` tokens reads on one of `tp` ranks: all it holds
+    (`kv_cache_bytes`), less what a sparse attention leaves unread (DeepSeek-V3.2's latents past the indexer's
+    top-k, `MLAttention.unread_elements`)."""
+    spec, chosen = _spec_and_dtype(config, dtype)
+    unread = sum(layer.unread_elements(context) for layer in spec.layers)
+    return kv_cache_bytes(config, context, 1, chosen, tp=tp) - unread * dtype_bytes(chosen)
+
+
 def state_bytes_per_sequence(config: PretrainedConfig | str, dtype: DType = None) -> int:
     """Bytes of the fixed-size state one sequence keeps once it has seen a token, summed over the state layers.
 
