@@ -166,6 +166,39 @@ def test_sparse_mla_attends_to_its_top_k_and_its_indexer_scores_every_token():
     )
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True}],
+    ids=["uniform", "wide-global-layers"],
+)
+def test_a_heterogeneous_gemma4_config_sizes_layer_by_layer(extra):
+    # Gemma 4's config refuses a global head_dim (AmbiguousGlobalPerLayerAttributeError): kvlab reads each
+    # layer's own config, so its global layers' wider heads and fewer KV heads are counted as transformers caches them
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        "gemma4_text",
+        hidden_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        intermediate_size=128,
+        sliding_window=8,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=None,
+        **extra,
+    )
+    spec = arch.describe(config)
+    assert [layer.kind for layer in spec.layers] == ["sliding"] * 5 + ["full"]
+    for seq_len in (1, 9, 20):
+        assert _forward_cache_bytes(config, seq_len, 2) == sizing.kv_cache_bytes(
+            config, seq_len, 2, torch.float32
+        )
+
+
 def test_mla_expanded_size():
     # DeepSeek-V3: 128 heads x (K: 128 + 64, V: 128) per layer.
     assert sizing.kv_bytes_per_token_expanded("deepseek-ai/DeepSeek-V3", "bf16") == 61 * 128 * (192 + 128) * 2

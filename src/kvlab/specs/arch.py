@@ -444,8 +444,11 @@ def describe(config: PretrainedConfig | str) -> ArchSpec:
     layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
     # A pure state-space model (Mamba) has no attention heads to read.
     attends = any(t in _FULL | _SLIDING | _HYBRID | _INDEXED for t in layer_types) or not layer_types
-    heads = _attention_shape(text)[0] if attends else 0
     layer_configs = text.per_layer_config
+    # Query heads from the first attending layer's own config: a heterogeneous config (Gemma 4) refuses to give
+    # a per-layer field such as head_dim globally
+    attending = [c for t, c in zip(layer_types, layer_configs, strict=True) if t not in _NONE | _STATE]
+    heads = _attention_shape(attending[0] if attending else text)[0] if attends else 0
     mla = getattr(text, "kv_lora_rank", None) is not None
     layers: list[LayerSpec] = []
     for index, (layer_type, kwargs, layer_config) in enumerate(
