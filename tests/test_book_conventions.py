@@ -314,3 +314,42 @@ def test_labs_read_as_pages(lab):
         and before["cell_type"] != "markdown"
     ]
     assert not unexplained, f"a sentence of prose goes above each code cell: {unexplained}"
+
+
+def stored_figure_problems(path):
+    """What kvlab.book.plot recorded in each stored figure of a lab: legends on the data, colliding labels."""
+    import base64
+
+    from kvlab.book import plot
+
+    problems = []
+    for i, cell in enumerate(code_cells(path)):
+        for output in cell.get("outputs", []):
+            png = output.get("data", {}).get("image/png")
+            found = png and plot.read_png(base64.b64decode(png))
+            if found:
+                problems += [f"code cell {i}: {p}" for p in found.legend_overlaps + found.text_collisions]
+    return problems
+
+
+def test_stored_figure_problems_are_found(tmp_path):
+    import base64
+
+    import matplotlib.pyplot as plt
+
+    from kvlab.book import plot
+
+    fig, ax = plot.figure(height=1.2)
+    ax.set_yticks(range(30), [f"model {i}" for i in range(30)])
+    data = base64.b64encode(plot.png_bytes(fig)).decode()
+    plt.close(fig)
+    lab = tmp_path / "lab.ipynb"
+    cell = {"cell_type": "code", "source": [], "outputs": [{"data": {"image/png": data}}]}
+    lab.write_text(json.dumps({"cells": [cell]}))
+    assert any("overlaps y tick label" in p for p in stored_figure_problems(lab))
+
+
+@pytest.mark.parametrize("lab", LABS, ids=lambda p: p.parent.name)
+def test_stored_figures_have_no_colliding_labels(lab):
+    # The browser stage reports the same records; here they fail in seconds, before any lab runs.
+    assert not stored_figure_problems(lab)
