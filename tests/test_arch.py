@@ -85,6 +85,8 @@ EXPECTED = {
     "moonshotai/Kimi-K2-Instruct": (61, 64, 1, 192, 7168, 163840, "bfloat16", {MLA: 61}),
     # MLA with DeepSeek Sparse Attention's indexer on every layer (indexed_attention)
     "deepseek-ai/DeepSeek-V3.2": (61, 128, 1, 192, 7168, 129280, "bfloat16", {MLA: 61}),
+    # An image-text model: the decoder's text_config alone holds the cache (image tokens included)
+    "Qwen/Qwen3-VL-8B-Instruct": (36, 32, 8, 128, 4096, 151936, "bfloat16", {FULL: 36}),
 }
 MLA_RANKS = {
     "deepseek-ai/DeepSeek-V2-Lite": (None, 512, 64),

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvlab.book import sweep
@@ -22,6 +23,8 @@ from kvlab.units import format_bytes, format_tokens, parse_tokens
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+    from kvlab.specs.images import ImageCost
 
 
 def _positive_int(text: str) -> int:
@@ -255,8 +258,12 @@ def size_report(
     per_gpu: bool = False,
     engine: str = "vllm",
     mem_fraction_static: float | None = None,
+    images: ImageRequest | None = None,
 ) -> str:
     """The text `kvlab size` prints; with `gpu`, the memory budget line by line (`kvlab.costs.budget`).
+
+    With `images` (an image-text model), each sequence holds those images' tokens beside its `context` text
+    tokens, and the budget charges vLLM's encoder cache (`kvlab.specs.images`).
 
     With `per_gpu` (a parallel plan: `--tp` and/or `--pp` given) every figure is what ONE GPU of the largest
     stage holds, and a plan whose budget does not fit the GPU is an error naming the smallest tensor-parallel
@@ -269,6 +276,10 @@ def size_report(
     spec = shape.shape(config).spec
     sizing.check_parallel(spec, tp, pp)
     per_token = sizing.kv_bytes_per_token(config, s.kv_dtype, tp=tp, pp=pp)
+    image_cost = None if images is None else images.cost(model, per_token, s, gpu)
+    text_context = context
+    if image_cost is not None:
+        context += image_cost.prompt_tokens
     per_seq = sizing.kv_cache_bytes(config, context, 1, s.kv_dtype, tp=tp, pp=pp)
     total = per_seq * batch
     weights = sizing.weight_bytes_per_gpu(config, s.weight_dtype, tp=tp, pp=pp)
@@ -288,6 +299,7 @@ def size_report(
     lines += [
         f"KV per token {format_bytes(per_token)} ({per_token:,} B, {s.kv_dtype})",
         *_draft_lines(config, spec_decode, s),
+        *_image_lines(image_cost, text_context),
         f"KV per seq   {format_bytes(per_seq)} at {format_tokens(context)} tokens",
         *_state_line(config, spec, s.kv_dtype),
         f"KV total     {format_bytes(total)} for {_sequences(batch)}",
@@ -298,6 +310,8 @@ def size_report(
         lines += _sglang_lines(config, gpu, s, context, batch, mem_fraction_static)
     elif gpu is not None:
         plan = s.memory_budget(config, gpu)
+        if image_cost is not None:
+            plan = budget.charge_encoder_cache(plan, image_cost)
         if per_gpu and not plan.fits:
             raise ValueError(_no_fit(config, model, gpu, s, plan))
         seqs = plan.max_sequences(context) if plan.fits else 0
@@ -305,6 +319,57 @@ def size_report(
         lines += [f"on {hardware.get(gpu).name}: the memory budget", *plan.lines(context)]
         lines.append(f"  {_sequences(batch)} of {format_tokens(context)} tokens: {verdict} (room for {seqs})")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ImageRequest:
+    """`kvlab size --images N --image-size WxH [--min-pixels P --max-pixels P]`."""
+
+    count: int
+    width: int
+    height: int
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+
+    def cost(
+        self, model: str, kv_bytes_per_token: int, s: budget.BudgetSettings, gpu: str | None
+    ) -> ImageCost:
+        from kvlab.specs import images
+
+        # vLLM's encoder budget follows the step's token budget: the GPU's default, or the one given.
+        tokens = s.batch_limits(gpu, model)[0] if gpu is not None else s.max_num_batched_tokens
+        return images.image_cost(
+            model,
+            self.count,
+            self.width,
+            self.height,
+            kv_bytes_per_token=kv_bytes_per_token,
+            max_num_batched_tokens=tokens or budget.MAX_NUM_BATCHED_TOKENS,
+            dtype=s.weight_dtype if isinstance(s.weight_dtype, str) else "bf16",
+            min_pixels=self.min_pixels,
+            max_pixels=self.max_pixels,
+        )
+
+
+def _image_lines(cost: ImageCost | None, text_context: int) -> list[str]:
+    """What the images add to each sequence, and the encoder cache vLLM reserves for them."""
+    if cost is None:
+        return []
+    rule = cost.rule
+    how = (
+        f"{rule.fixed_tokens} per image, whatever its size"
+        if rule.kind == "fixed"
+        else f"resized to {rule.factor}-pixel squares within {rule.min_pixels:,}-{rule.max_pixels:,} pixels"
+    )
+    return [
+        f"images       {cost.images} × {cost.width}x{cost.height}: {cost.tokens_per_image:,} tokens each "
+        f"({cost.tokens_per_image - rule.boundary_tokens:,} image + {rule.boundary_tokens} boundary; {how})",
+        f"  + {cost.prompt_tokens:,} image tokens beside {format_tokens(text_context)} of text: "
+        f"{format_bytes(cost.kv_bytes)} of KV per seq",
+        f"  encoder    vLLM reserves {cost.encoder_cache_tokens:,} image tokens of embeddings: "
+        f"{format_bytes(cost.encoder_cache_bytes)}, profiled as {cost.profiled_images} largest image(s) "
+        f"({cost.encoder_cache_note})",
+    ]
 
 
 def _draft_lines(
@@ -438,6 +503,35 @@ def _add_size_arguments(size: argparse.ArgumentParser) -> None:
         help="SGLang's --mem-fraction-static (default: SGLang's own choice for the GPU and TP size)",
     )
     _add_speculative_arguments(size)
+    _add_image_arguments(size)
+
+
+def _add_image_arguments(size: argparse.ArgumentParser) -> None:
+    size.add_argument(
+        "--images",
+        type=_positive_int,
+        help="images per request (Qwen2/2.5/3-VL, Gemma 3): their tokens join --context",
+    )
+    size.add_argument("--image-size", default="1280x720", help="each image's WIDTHxHEIGHT in pixels")
+    size.add_argument(
+        "--min-pixels",
+        type=_positive_int,
+        help="the image processor's min_pixels (vLLM's --mm-processor-kwargs)",
+    )
+    size.add_argument(
+        "--max-pixels", type=_positive_int, help="the image processor's max_pixels (default: the model's own)"
+    )
+
+
+def _image_request(args: argparse.Namespace) -> ImageRequest | None:
+    if args.images is None:
+        if args.min_pixels is not None or args.max_pixels is not None:
+            raise ValueError("--min-pixels and --max-pixels size images: give --images")
+        return None
+    from kvlab.specs.images import parse_image_size
+
+    width, height = parse_image_size(args.image_size)
+    return ImageRequest(args.images, width, height, args.min_pixels, args.max_pixels)
 
 
 def _add_explain_vllm_arguments(p: argparse.ArgumentParser) -> None:
@@ -534,6 +628,7 @@ def main(argv: list[str] | None = None) -> int:
                     per_gpu,
                     args.engine,
                     args.mem_fraction_static,
+                    _image_request(args),
                 )
             )
     except (arch.UnknownModelError, arch.UnsupportedConfigError, ValueError) as err:

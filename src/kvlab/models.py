@@ -47,6 +47,10 @@ _HEAD_DIM_FAMILIES = {
     "llama", "mistral", "mixtral", "qwen3", "gemma2", "gemma3_text", "gpt_oss", "qwen3_moe", "qwen3_next",
     "nemotron_h", "llama4_text",
 }  # fmt: skip
+# Image-text decoders that transformers builds without a causal-LM head: their cache is that of the text family
+# they extend, which `scaled_down` builds instead (Qwen3-VL's decoder is Qwen3's with multimodal rotary positions;
+# tests/test_images.py checks the decoder's own cache against kvlab.specs.sizing).
+_DECODER_TWINS = {"qwen3_vl_text": "qwen3"}
 # Families whose config lists each layer's type (Nemotron-H calls the list `layers_block_type`): `tiny_config`
 # takes that list as `layer_types`, and `scaled_down` shortens the registry model's own list.
 _PATTERN_FAMILIES = {"gpt_oss", "qwen3_next", "nemotron_h"}
@@ -336,6 +340,7 @@ def scaled_down(
     # The config class's own model_type: a registry entry read as another family's config (Kimi K2 as
     # DeepSeek-V3, `arch`'s "load_as") is a tiny model of that family
     family = type(text).model_type
+    family = _DECODER_TWINS.get(family, family)
     if family not in FAMILIES:
         raise ValueError(f"{name!r} is a {family!r} model; tiny models exist for {', '.join(FAMILIES)}")
     kinds = [layer.kind for layer in spec.layers]

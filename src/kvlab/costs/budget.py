@@ -62,6 +62,8 @@ from kvlab.units import MiB, dtype_bytes, format_bytes, format_tokens
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from kvlab.specs.images import ImageCost
+
 GPU_MEMORY_UTILIZATION = vllm_defaults.GPU_MEMORY_UTILIZATION
 BLOCK_SIZE = vllm_defaults.BLOCK_SIZE
 # What kvlab's own engine and the activation estimate assume when no GPU says otherwise: vLLM's defaults on a
@@ -169,6 +171,10 @@ class MemoryBudget:
     speculative_tokens: int = 0
     lookahead_slots: int = 0
     max_model_len: int | None = None
+    # An image-text model's vision embeddings, which vLLM's profile run holds in its encoder cache while the
+    # decoder's dummy forward and the sampler run (kvlab.specs.images.ImageCost.encoder_cache_bytes); 0: none.
+    encoder_cache_bytes: int = 0
+    encoder_cache_source: str = ""
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -183,6 +189,7 @@ class MemoryBudget:
             "cuda_graph_bytes",
             "draft_weight_bytes",
             "draft_kv_bytes_per_token",
+            "encoder_cache_bytes",
             "speculative_tokens",
             "lookahead_slots",
         ):
@@ -218,8 +225,9 @@ class MemoryBudget:
 
     @property
     def peak_bytes(self) -> int:
-        """The profile run's activation peak: the forward's or the sampler's, whichever is larger."""
-        return max(self.activation_bytes, self.sampler_bytes)
+        """The profile run's activation peak: the forward's or the sampler's, whichever is larger, with the
+        encoder cache both run beside."""
+        return self.encoder_cache_bytes + max(self.activation_bytes, self.sampler_bytes)
 
     @property
     def block_bytes(self) -> int:
@@ -308,8 +316,10 @@ class MemoryBudget:
         if self.speculative_tokens:
             out.append(row("- draft weights", self.draft_weight_bytes, self.draft_weight_source))
         out += [
-            row("- activations", self.peak_bytes, self._peak_note()),
+            row("- activations", self.peak_bytes - self.encoder_cache_bytes, self._peak_note()),
         ]
+        if self.encoder_cache_bytes:
+            out.append(row("- encoder cache", self.encoder_cache_bytes, self.encoder_cache_source))
         if self.cuda_graph_bytes:
             out.append(row("- CUDA graphs", self.cuda_graph_bytes, self.cuda_graph_source))
         if self.kv_headroom_bytes < 0:
@@ -356,6 +366,13 @@ class MemoryBudget:
         forward, sampler = format_bytes(self.activation_bytes), format_bytes(self.sampler_bytes)
         larger = "forward" if self.activation_bytes >= self.sampler_bytes else "sampler"
         return f"the {larger}'s: forward {forward} ({self.activation_source}), sampler {sampler} ({self.sampler_source})"
+
+
+def charge_encoder_cache(plan: MemoryBudget, images: ImageCost) -> MemoryBudget:
+    """`plan` with vLLM's encoder cache for those images charged beside the profile run's peak."""
+    return dataclasses.replace(
+        plan, encoder_cache_bytes=images.encoder_cache_bytes, encoder_cache_source=images.encoder_cache_note
+    )
 
 
 def activation_workspace_bytes(

@@ -76,6 +76,11 @@ def source(name: str) -> str:
     return _entry(name)["config"]
 
 
+def image_processor(name: str) -> dict[str, Any] | None:
+    """A registry image-text model's stored image-processor settings (pixel limits and their source), or None."""
+    return _index().get(name, {}).get("image_processor")
+
+
 def config_path(name: str) -> Path:
     """The stored copy of a registry model's published config.json (`configs/<org>--<name>.json`)."""
     _entry(name)
