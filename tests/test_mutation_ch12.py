@@ -1,10 +1,11 @@
-"""Chapter 12's timing claim catches a wrong loop: the offloaded tier not read.
+"""Chapter 12's timing claim catches a wrong loop: the offloaded tier not read, or read twice.
 
 The mutation goes through the same `kvlab.offload.cost.measure_offload` and `check_offload` the lab runs through
 `kvlab.claims.measure_claim`, at the lab's model size and a shorter run (one context, the lab's 40 steps, one attempt). The
 mutant layers write their blocks to disk and re-read them from disk when the transfers are timed, so the tier's
 bandwidth is measured as usual, but their decode steps serve the K/V from a copy kept in RAM: a cache that claims
-the tier and does not pay for it. The band must reject it.
+the tier and does not pay for it. A second mutant reads its blocks twice in every decode step (and once when the
+transfers are timed): a cache that pays for its transfer twice. The band must reject both.
 """
 
 from __future__ import annotations
@@ -65,11 +66,37 @@ class TierNotRead(DiskLayer):
             self._rereading = False
 
 
-def tier_not_read(config, layers, tier):
-    cache = OffloadedCache(config, layers, tier=tier)
-    for index in layers:
-        cache.layers[index] = TierNotRead(cache.layers[index].path, 64 * 1024)
-    return cache
+class TierReadTwice(DiskLayer):
+    """Reads every full block from disk twice per decode step; `reread` (the timed transfer) reads them once."""
+
+    def __init__(self, path, block_bytes: int) -> None:
+        super().__init__(path, block_bytes)
+        self._rereading = False
+
+    def _read(self, view: memoryview) -> int:
+        if not self._rereading:
+            super()._read(view)
+        return super()._read(view)
+
+    def reread(self, clock=time.perf_counter):
+        self._rereading = True
+        try:
+            return super().reread(clock)
+        finally:
+            self._rereading = False
+
+
+def mutant_cache(layer_class):
+    def make(config, layers, tier):
+        cache = OffloadedCache(config, layers, tier=tier)
+        for index in layers:
+            cache.layers[index] = layer_class(cache.layers[index].path, 64 * 1024)
+        return cache
+
+    return make
+
+
+tier_not_read = mutant_cache(TierNotRead)
 
 
 def verdict(model, make_cache):
@@ -100,3 +127,10 @@ def test_a_cache_that_does_not_read_its_tier_fails_the_band(model):
     assert BAND in missed, missed
     with pytest.raises(AssertionError, match="offloaded step \\(ms\\) in the band"):
         result.require()
+
+
+def test_a_cache_that_reads_its_tier_twice_fails_the_band(model):
+    result = verdict(model, mutant_cache(TierReadTwice))
+    assert not result.holds
+    missed = {check.name for check in result.attempts[-1].misses}
+    assert BAND in missed, missed

@@ -7,6 +7,7 @@ import dataclasses
 import math
 import os
 import statistics
+import time
 
 import numpy as np
 import pytest
@@ -16,9 +17,23 @@ from transformers import DynamicCache
 from kvlab import models
 from kvlab.costs import roofline
 from kvlab.offload.cache import DiskLayer, HostLayer, OffloadedCache
-from kvlab.offload.cost import check_offload, fit_offload, measure_offload, median_interval, offload_cost
+from kvlab.offload.cost import (
+    TRANSFER_TOLERANCE,
+    check_offload,
+    fit_offload,
+    measure_offload,
+    median_interval,
+    offload_cost,
+)
 from kvlab.offload.direct_io import ALIGN, PolledReader, aligned_buffer, open_direct
-from kvlab.offload.loop import decode_lockstep, memory_reference, random_prompt, time_offload, timed_decode
+from kvlab.offload.loop import (
+    decode_lockstep,
+    layer_weights,
+    memory_reference,
+    random_prompt,
+    time_offload,
+    timed_decode,
+)
 from kvlab.offload.reload import (
     break_even_flops_per_byte,
     check_reload,
@@ -32,6 +47,7 @@ from kvlab.offload.saved_kv import load_kv, save_kv
 from kvlab.offload.tiers import (
     LINKS,
     MAX_SCRATCH_BYTES,
+    compute_for,
     disk_read,
     gpu_copy,
     host_link,
@@ -308,6 +324,11 @@ def test_reread_repeats_the_transfer_without_changing_the_cache(model, tmp_path)
         assert cache.get_seq_length() == 45
         with pytest.raises(ValueError, match="compute_s"):
             cache.reread(compute_s=-1.0)
+        # the computing before each access reads the weights it is given, one list per offloaded layer
+        weights = layer_weights(model)
+        assert cache.reread(1e-4, reads=[weights[0], weights[1]])[0] == nbytes
+        with pytest.raises(ValueError, match="reads has 1 entries for 2 offloaded layers"):
+            cache.reread(1e-4, reads=[weights[0]])
 
 
 def test_time_offload_and_fit(model, tmp_path):
@@ -331,8 +352,18 @@ def test_time_offload_and_fit(model, tmp_path):
     p_low, p_high = median_interval(per_step, 0.99)
     m_low, m_high = median_interval(timing.offloaded.step_s, 0.99)
     centre = statistics.median(per_step)
-    assert fit.low_s == pytest.approx(fit.predicted_s - (centre - p_low) - (m_high - fit.measured_s))
-    assert fit.high_s == pytest.approx(fit.predicted_s + (p_high - centre) + (fit.measured_s - m_low))
+    # widened on each side by the model's tolerance, a tenth of the transfer term
+    allowance = TRANSFER_TOLERANCE * fit.transfer_s
+    assert TRANSFER_TOLERANCE == 0.1
+    low = fit.predicted_s - allowance - (centre - p_low) - (m_high - fit.measured_s)
+    assert fit.low_s == pytest.approx(low)
+    high = fit.predicted_s + allowance + (p_high - centre) + (fit.measured_s - m_low)
+    assert fit.high_s == pytest.approx(high)
+    exact = fit_offload(timing, model.config, 2, "disk", block_tokens=block_tokens, tolerance=0.0)
+    assert exact.high_s - exact.low_s == pytest.approx(fit.high_s - fit.low_s - 2 * allowance)
+    for bad in (-0.1, 1.0, True, "0.1"):
+        with pytest.raises(ValueError, match="tolerance"):
+            fit_offload(timing, model.config, 2, "disk", tolerance=bad)
     assert fit.band[0] <= 0 <= fit.band[1] and 0 < fit.transfer_share < 1
     assert fit.holds == (fit.low_s <= fit.measured_s <= fit.high_s)
     # the transfer term is the bytes at the middle step over the loop's median bandwidth
@@ -503,3 +534,27 @@ def test_time_and_check_reload(model, tmp_path):
 def test_prefill_cache_holds_the_prompt(model):
     cache = prefill_cache(model, _ids(12))
     assert cache.get_seq_length() == 12
+
+
+def test_layer_weights_are_each_decoder_layers_parameters(model):
+    weights = layer_weights(model)
+    layers = model.config.num_hidden_layers
+    assert sorted(weights) == list(range(layers))
+    named = dict(model.named_parameters())
+    for index, tensors in weights.items():
+        mine = [p for name, p in named.items() if f".layers.{index}." in name]
+        assert [t.data_ptr() for t in tensors] == [p.data_ptr() for p in mine]
+    # the embedding and the final norm belong to no layer
+    total = sum(t.numel() for ts in weights.values() for t in ts)
+    assert total < sum(p.numel() for p in model.parameters())
+    assert layer_weights(torch.nn.Linear(2, 2)) == {}
+
+
+def test_compute_for_reads_each_tensor_once_and_spends_its_time():
+    reads = [torch.ones(4), torch.ones(8)]
+    seen = []
+    for tensor in reads:
+        tensor.sum = lambda t=tensor: seen.append(t.numel()) or torch.zeros(())
+    start = time.perf_counter()
+    compute_for(0.002, reads=reads)
+    assert time.perf_counter() - start >= 0.002 and seen == [4, 8]

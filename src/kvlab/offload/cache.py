@@ -18,7 +18,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -396,24 +396,34 @@ class OffloadedCache(Cache):
         return sum(layer.bytes_streamed for layer in self.layers if isinstance(layer, TierLayer))
 
     def reread(
-        self, compute_s: float = 0.0, clock: Callable[[], float] = time.perf_counter
+        self,
+        compute_s: float = 0.0,
+        clock: Callable[[], float] = time.perf_counter,
+        reads: Sequence[Sequence[torch.Tensor]] = (),
     ) -> tuple[int, float]:
         """Every offloaded layer's tier accesses repeated as the last decode step made them: (bytes, seconds).
 
-        Only the accesses are timed (`TierLayer.reread`). Before each, `compute_s` seconds of computing (on the CPU) stand in for the
-        layer's share of the decode step: a thread that has just been computing and then waits on a disk read
-        is scheduled back later than one reading back to back, and the loop's reads always follow compute.
+        Only the accesses are timed (`TierLayer.reread`). Before each, `compute_s` seconds of computing (on the
+        CPU) stand in for the layer's share of the decode step: a thread that has just been computing and then
+        waits on a disk read is scheduled back later than one reading back to back, and the loop's reads always
+        follow compute. `reads[i]` is what the computing before the i-th offloaded layer's access reads
+        (`kvlab.offload.tiers.compute_for`): the weights of the decoder layer before it, which the step reads
+        there, so that each access finds the CPU's caches as full of other data as in the step.
         """
+        if reads and len(reads) != len(self.offload_layers):
+            raise ValueError(
+                f"reads has {len(reads)} entries for {len(self.offload_layers)} offloaded layers"
+            )
         if isinstance(compute_s, bool) or not isinstance(compute_s, (int, float)) or compute_s < 0:
             raise ValueError(f"compute_s must be a non-negative number of seconds, got {compute_s!r}")
         total, seconds = 0, 0.0
-        for layer in self.layers:
-            if isinstance(layer, TierLayer):
-                if compute_s:
-                    compute_for(compute_s, clock)
-                nbytes, s = layer.reread(clock)
-                total += nbytes
-                seconds += s
+        tier_layers = [layer for layer in self.layers if isinstance(layer, TierLayer)]
+        for i, layer in enumerate(tier_layers):
+            if compute_s:
+                compute_for(compute_s, clock, reads[i] if reads else ())
+            nbytes, s = layer.reread(clock)
+            total += nbytes
+            seconds += s
         return total, seconds
 
 

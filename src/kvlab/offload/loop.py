@@ -218,7 +218,11 @@ def time_offload(
 
     `compute_s` is the computing done before each repeated transfer; by default, on a CPU, the in-memory step's
     median so far divided by the layer count (each offloaded layer's read follows its share of the step), on a
-    GPU none (the host thread does not compute there; it waits on the device).
+    GPU none (the host thread does not compute there; it waits on the device). That computing reads once the
+    weights of the layer before each offloaded one (`layer_weights`), as the step does there: with a stand-in
+    that stayed in the L1 cache, each repeated access found its buffers still cached and ran 50-90 us per layer
+    faster than in the step, on the CPU that built this book, and the prediction fell 4-8 % short of the step at
+    short contexts.
     """
     device = model.device
     clock = step_clock(device)
@@ -229,6 +233,9 @@ def time_offload(
     moved: list[int] = []
     seconds: list[float] = []
     appends: list[float] = []
+    by_layer = layer_weights(model)
+    # before each offloaded layer's access the step has just read the layer before it
+    weights = [by_layer.get(index - 1, []) for index in cache.offload_layers] if by_layer else []
 
     def repeat_transfers(step_s: list[float]) -> None:
         memory_steps.append(step_s[0])
@@ -236,7 +243,7 @@ def time_offload(
         burst = compute_s
         if burst is None:
             burst = 0.0 if device.type == "cuda" else median(memory_steps) / layers
-        nbytes, s = cache.reread(burst, clock)
+        nbytes, s = cache.reread(burst, clock, weights)
         moved.append(nbytes)
         seconds.append(s)
 
@@ -245,6 +252,19 @@ def time_offload(
     )
     disk_bytes = sum(layer.disk_bytes for layer in cache.layers if isinstance(layer, DiskLayer))
     return OffloadTiming(input_ids.shape[1], runs[0], runs[1], moved, seconds, appends, disk_bytes, runs[2:])
+
+
+def layer_weights(model: Any) -> dict[int, list[torch.Tensor]]:
+    """Each decoder layer's weights, by layer index: the parameters named `...layers.N...`, as transformers'
+    decoders name them (empty for a model that names them otherwise)."""
+    layers: dict[int, list[torch.Tensor]] = {}
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        for before, index in zip(parts, parts[1:], strict=False):
+            if before == "layers" and index.isdigit():
+                layers.setdefault(int(index), []).append(param.detach())
+                break
+    return layers
 
 
 def random_prompt(vocab_size: int, batch: int, length: int, seed: int = 0) -> torch.Tensor:

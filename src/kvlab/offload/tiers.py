@@ -19,7 +19,7 @@ import mmap
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
@@ -300,11 +300,20 @@ def disk_read(
     )
 
 
-def compute_for(seconds: float, clock: Callable[[], float] = time.perf_counter) -> None:
-    """Keep this thread computing for `seconds` of `clock` (small matmuls), as a decode step does between its
-    reads."""
-    a = torch.ones(64, 64)
+def compute_for(
+    seconds: float,
+    clock: Callable[[], float] = time.perf_counter,
+    reads: Sequence[torch.Tensor] = (),
+) -> None:
+    """Keep this thread computing for `seconds` of `clock`, as a decode step does between its reads.
+
+    The computing first reads each of `reads` once (a decoder layer's weights, say), as a one-token decode step
+    reads a layer's weights between two layers' cache accesses, and so leaves the CPU's caches as full of other
+    data as the step does; the rest of the time it runs small matmuls, which stay in the L1 cache."""
     end = clock() + seconds
+    for tensor in reads:
+        tensor.sum()
+    a = torch.ones(64, 64)
     while clock() < end:
         a @ a
 
