@@ -37,13 +37,27 @@ def model():
     torch.set_num_threads(threads)
 
 
-class TierNotRead(DiskLayer):
+class MutantLayer(DiskLayer):
+    """A disk layer that knows whether its read is the timed repeat (`reread`) or the decode step's."""
+
+    def __init__(self, path, block_bytes: int) -> None:
+        super().__init__(path, block_bytes)
+        self._rereading = False
+
+    def reread(self, clock=time.perf_counter):
+        self._rereading = True
+        try:
+            return super().reread(clock)
+        finally:
+            self._rereading = False
+
+
+class TierNotRead(MutantLayer):
     """Writes every block to disk, but decodes from a RAM copy; only `reread` (the timed transfer) reads disk."""
 
     def __init__(self, path, block_bytes: int) -> None:
         super().__init__(path, block_bytes)
         self._ram = bytearray()
-        self._rereading = False
         self.disk_reads = 0  # reads that went to the file
 
     def _write_blocks(self, records: torch.Tensor) -> None:
@@ -58,32 +72,14 @@ class TierNotRead(DiskLayer):
         np.frombuffer(view, dtype=np.uint8)[:] = np.frombuffer(self._ram, np.uint8, len(view))
         return len(view)
 
-    def reread(self, clock=time.perf_counter):
-        self._rereading = True
-        try:
-            return super().reread(clock)
-        finally:
-            self._rereading = False
 
-
-class TierReadTwice(DiskLayer):
+class TierReadTwice(MutantLayer):
     """Reads every full block from disk twice per decode step; `reread` (the timed transfer) reads them once."""
-
-    def __init__(self, path, block_bytes: int) -> None:
-        super().__init__(path, block_bytes)
-        self._rereading = False
 
     def _read(self, view: memoryview) -> int:
         if not self._rereading:
             super()._read(view)
         return super()._read(view)
-
-    def reread(self, clock=time.perf_counter):
-        self._rereading = True
-        try:
-            return super().reread(clock)
-        finally:
-            self._rereading = False
 
 
 def mutant_cache(layer_class):
