@@ -6,6 +6,7 @@ from PIL import Image
 from transformers import Qwen2_5_VLConfig, Qwen3VLTextConfig, Qwen3VLTextModel
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from kvlab.costs import budget
 from kvlab.measure import cache_tensor_bytes
 from kvlab.specs import images, sizing
 from kvlab.specs.arch import UnsupportedConfigError
@@ -131,12 +132,53 @@ def test_kvlab_size_adds_the_images_and_charges_the_encoder_cache():
     assert "4 × 1280x720: 882 tokens each (880 image + 2 boundary" in text
     assert "+ 3,528 image tokens beside 4k of text" in text
     assert "at 7624 tokens" in text
-    plain = cli.size_report(QWEN3_VL, 4096 + 3528, 1, gpu="H100-SXM")
-    pool = [line for line in text.splitlines() if "= KV pool" in line]
-    plain_pool = [line for line in plain.splitlines() if "= KV pool" in line]
-    # The same context without images, but 512 MiB of encoder cache (16,384 tokens × 16,384 × 2 B) less pool.
+    # vLLM reserves 16,384 tokens × 16,384 × 2 B = 512 MiB of encoder cache from the model and the token budget
+    # alone, so the same context as text holds the same pool; a text-only server (--limit-images 0) has more.
     assert "- encoder cache           512 MiB" in text
-    assert pool != plain_pool
+    plain = cli.size_report(QWEN3_VL, 4096 + 3528, 1, gpu="H100-SXM")
+    text_only = cli.size_report(
+        QWEN3_VL, 4096 + 3528, 1, gpu="H100-SXM", settings=budget.BudgetSettings(limit_images=0)
+    )
+    assert _pool(text) == _pool(plain) < _pool(text_only)
+    assert "encoder cache" not in text_only
+
+
+def _pool(report: str) -> int:
+    (line,) = [line for line in report.splitlines() if "= KV pool" in line]
+    return int(line.rsplit("= ", 1)[1].split()[0].replace(",", ""))
+
+
+def test_the_budget_charges_the_encoder_cache_without_images():
+    charged = budget.memory_budget(QWEN3_VL, "H100-SXM")
+    text_only = budget.memory_budget(QWEN3_VL, "H100-SXM", limit_images=0)
+    assert charged.encoder_cache_bytes == 16_384 * 4 * 4096 * 2
+    assert text_only.encoder_cache_bytes == 0
+    assert text_only.kv_headroom_bytes - charged.kv_headroom_bytes == charged.encoder_cache_bytes
+    # A text model has no encoder cache, whatever the limit.
+    llama = budget.memory_budget("meta-llama/Llama-3.1-8B", "H100-SXM")
+    assert (llama.encoder_cache_bytes, llama.encoder_cache_missing) == (0, "")
+
+
+def test_an_image_model_without_a_rule_says_its_pool_is_not_a_bound():
+    from transformers import LlavaConfig
+
+    config = LlavaConfig()
+    plan = budget.memory_budget(config, "H100-SXM")
+    assert plan.encoder_cache_bytes == 0
+    assert "llava" in plan.encoder_cache_missing
+    (line,) = [line for line in plan.lines(4096) if "not counted" in line]
+    assert "not a lower bound" in line
+    assert budget.memory_budget(config, "H100-SXM", limit_images=0).encoder_cache_missing == ""
+
+
+def test_more_images_than_the_limit_is_a_one_line_error(capsys):
+    from kvlab import cli
+
+    assert cli.main(["size", QWEN3_VL, "--images", "3", "--limit-images", "2", "--gpu", "H100-SXM"]) == 2
+    assert "--images 3 is more than --limit-images 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["size", QWEN3_VL, "--limit-images", "-1"])
+    assert "--limit-images: expected an integer >= 0, got '-1'" in capsys.readouterr().err
 
 
 def test_kvlab_size_images_on_a_text_model_is_a_one_line_error(capsys):

@@ -156,6 +156,16 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=budget.GPU_MEMORY_UTILIZATION)
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     _add_speculative_arguments(p)
+    _add_limit_images_argument(p)
+
+
+def _add_limit_images_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--limit-images",
+        type=_nonnegative_int,
+        help="images a prompt may carry (vLLM's --limit-mm-per-prompt); 0: a text-only server, "
+        "no encoder cache reserved",
+    )
 
 
 def _add_speculative_arguments(p: argparse.ArgumentParser) -> None:
@@ -276,6 +286,8 @@ def size_report(
     spec = shape.shape(config).spec
     sizing.check_parallel(spec, tp, pp)
     per_token = sizing.kv_bytes_per_token(config, s.kv_dtype, tp=tp, pp=pp)
+    if images is not None and s.limit_images is not None and images.count > s.limit_images:
+        raise ValueError(f"--images {images.count} is more than --limit-images {s.limit_images}")
     image_cost = None if images is None else images.cost(model, per_token, s, gpu)
     text_context = context
     if image_cost is not None:
@@ -504,6 +516,7 @@ def _add_size_arguments(size: argparse.ArgumentParser) -> None:
     )
     _add_speculative_arguments(size)
     _add_image_arguments(size)
+    _add_limit_images_argument(size)
 
 
 def _add_image_arguments(size: argparse.ArgumentParser) -> None:

@@ -175,6 +175,9 @@ class MemoryBudget:
     # decoder's dummy forward and the sampler run (kvlab.specs.images.ImageCost.encoder_cache_bytes); 0: none.
     encoder_cache_bytes: int = 0
     encoder_cache_source: str = ""
+    # Why an image-text model's encoder cache is not in `encoder_cache_bytes` although vLLM reserves one ("" when
+    # it is, or when there is none): the pool then overstates vLLM's.
+    encoder_cache_missing: str = ""
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -320,6 +323,11 @@ class MemoryBudget:
         ]
         if self.encoder_cache_bytes:
             out.append(row("- encoder cache", self.encoder_cache_bytes, self.encoder_cache_source))
+        if self.encoder_cache_missing:
+            out.append(
+                f"  not counted  vLLM's encoder cache: {self.encoder_cache_missing} (the pool is not a lower "
+                "bound here; --limit-images 0 budgets a text-only server)"
+            )
         if self.cuda_graph_bytes:
             out.append(row("- CUDA graphs", self.cuda_graph_bytes, self.cuda_graph_source))
         if self.kv_headroom_bytes < 0:
@@ -439,6 +447,7 @@ def memory_budget(
     speculative: int = 0,
     draft: PretrainedConfig | str | None = None,
     draft_layers: int = 0,
+    limit_images: int | None = None,
 ) -> MemoryBudget:
     """The budget of serving `config` on `gpu` (a spec-table name or entry) as vLLM 0.33.0 sizes it.
 
@@ -458,7 +467,12 @@ def memory_budget(
     of that many layers of the target's attention shape): the drafter's weights and cache layers and the 2K
     slots per running sequence enter the budget (see the module docstring); `max_model_len` (the model's limit
     when None) caps a sequence's slots. `speculative=0` with no drafter is the budget without speculation.
+
+    An image-text model's encoder cache (`kvlab.specs.images.encoder_cache`) is charged beside the profile run's
+    peak, as vLLM reserves it, unless `limit_images=0` (vLLM's `--limit-mm-per-prompt '{"image": 0}'`, a
+    text-only server). Where kvlab has no image rule for the model, the budget says so in a "not counted" line.
     """
+    from kvlab.specs import arch, images
     from kvlab.specs.sizing import (
         draft_kv_bytes_per_token,
         draft_weight_bytes_per_gpu,
@@ -469,6 +483,10 @@ def memory_budget(
     )
 
     spec = hardware.get(gpu) if isinstance(gpu, str) else gpu
+    if limit_images is not None:
+        check_count("limit_images", limit_images, 0)
+    # a registry name carries its image processor's pixel limits; a config does not
+    named = config if isinstance(config, str) and config in arch.registry() else None
     config = prepare(config)
     # vLLM gives Mamba and linear-attention state its own page size beside the KV blocks; this budget has KV
     # blocks only, so a state model's sequence count would be silently wrong.
@@ -539,6 +557,16 @@ def memory_budget(
             )
         ),
     )
+    if limit_images != 0:
+        try:
+            encoder = images.encoder_cache(named or config, tokens, act_dtype)
+        except ValueError as err:
+            plain = dataclasses.replace(plain, encoder_cache_missing=str(err))
+        else:
+            if encoder is not None:
+                plain = dataclasses.replace(
+                    plain, encoder_cache_bytes=encoder.nbytes, encoder_cache_source=encoder.note
+                )
     if spec_decode is None:
         return plain
     head = spec_decode.draft is None
@@ -587,6 +615,8 @@ class BudgetSettings:
     speculative: int = 0  # K speculative tokens; 0 is off
     draft: str | None = None  # the draft model (vLLM's method "draft_model")
     draft_layers: int = 0  # or an EAGLE-style head of this many layers of the target's shape
+    # images a prompt may carry (vLLM's --limit-mm-per-prompt); 0 is a text-only server, no encoder cache
+    limit_images: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "tp", "pp"):
@@ -598,6 +628,8 @@ class BudgetSettings:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) is not None:
                 check_count(name, getattr(self, name))
+        if self.limit_images is not None:
+            check_count("limit_images", self.limit_images, 0)
         if (
             not isinstance(self.gpu_memory_utilization, int | float)
             or not 0 < self.gpu_memory_utilization <= 1

@@ -19,11 +19,12 @@ Chapter: *Long context* (book/06_long_context).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from kvlab.checks import check_count
-from kvlab.specs.arch import UnsupportedConfigError, get, image_processor
+from kvlab.specs.arch import UnsupportedConfigError, config_path, get, image_processor, registry
 from kvlab.units import dtype_bytes
 
 if TYPE_CHECKING:
@@ -171,28 +172,78 @@ class ImageCost:
         return self.prompt_tokens * self.kv_bytes_per_token
 
     @property
+    def encoder(self) -> EncoderCache:
+        """What vLLM reserves for this model's images at these settings, whatever the images are."""
+        return EncoderCache(self.rule, self.max_num_batched_tokens, self.encoder_dtype_bytes)
+
+    @property
     def encoder_cache_tokens(self) -> int:
-        """vLLM 0.33.0's encoder cache, in image tokens: max(max_num_batched_tokens, one image's maximum)."""
-        return max(self.max_num_batched_tokens, self.rule.max_tokens())
+        return self.encoder.tokens
 
     @property
     def encoder_cache_bytes(self) -> int:
-        """Those tokens' vision embeddings as vLLM holds them while it profiles (one embedding per token)."""
-        return self.encoder_cache_tokens * self.rule.embed_elements * self.encoder_dtype_bytes
+        return self.encoder.nbytes
 
     @property
     def encoder_cache_note(self) -> str:
-        """Where `encoder_cache_bytes` comes from, for a budget line."""
+        return self.encoder.note
+
+    @property
+    def profiled_images(self) -> int:
+        return self.encoder.profiled_images
+
+
+@dataclass(frozen=True)
+class EncoderCache:
+    """vLLM 0.33.0's encoder cache for an image-text model: reserved at start-up from the model and the token
+    budget alone, whatever images requests later bring (`compute_mm_encoder_budget`)."""
+
+    rule: ImageRule
+    max_num_batched_tokens: int
+    dtype_bytes: int
+
+    @property
+    def tokens(self) -> int:
+        """Image tokens it holds: max(max_num_batched_tokens, one image's maximum)."""
+        return max(self.max_num_batched_tokens, self.rule.max_tokens())
+
+    @property
+    def nbytes(self) -> int:
+        """Those tokens' vision embeddings as vLLM holds them while it profiles (one embedding per token)."""
+        return self.tokens * self.rule.embed_elements * self.dtype_bytes
+
+    @property
+    def note(self) -> str:
+        """Where `nbytes` comes from, for a budget line."""
         return (
             f"max(max_num_batched_tokens {self.max_num_batched_tokens:,}, the largest image's "
-            f"{self.rule.max_tokens():,}) × {self.rule.embed_elements:,} × {self.encoder_dtype_bytes} B; "
+            f"{self.rule.max_tokens():,}) × {self.rule.embed_elements:,} × {self.dtype_bytes} B; "
             f"the vision tower's own activation peak is not counted"
         )
 
     @property
     def profiled_images(self) -> int:
         """How many largest images vLLM's profile run encodes at once (at least one)."""
-        return max(1, self.encoder_cache_tokens // self.rule.max_tokens())
+        return max(1, self.tokens // self.rule.max_tokens())
+
+
+def encoder_cache(
+    model: PretrainedConfig | str, max_num_batched_tokens: int, dtype: DType = "bfloat16"
+) -> EncoderCache | None:
+    """vLLM's encoder cache for `model` (a registry name or config) at `max_num_batched_tokens`, or None for a
+    model without a vision tower. An image-text model kvlab has no image rule for is an error
+    (`UnsupportedConfigError`), as is a dynamic-resolution config without its processor's pixel limits."""
+    check_count("max_num_batched_tokens", max_num_batched_tokens)
+    if isinstance(model, str) and model in registry():
+        # The stored JSON answers for a text model, so `kvlab size` of one never imports transformers.
+        if "vision_config" not in json.loads(config_path(model).read_text()):
+            return None
+        config = get(model)
+    else:
+        config = get(model) if isinstance(model, str) else model
+    if getattr(config, "vision_config", None) is None:
+        return None
+    return EncoderCache(image_rule(model), max_num_batched_tokens, dtype_bytes(dtype))
 
 
 def image_cost(
