@@ -17,10 +17,25 @@ NEMOTRON_H = "nvidia/Nemotron-H-56B-Base-8K"
 def test_qwen3_next_at_tp2_matches_a_published_vllm_log():
     # vLLM 0.10.2 serving Qwen3-Next-80B-A3B-Instruct (the same shapes as the Thinking config) on two H200s,
     # TP=2, bf16, prefix caching off: "Setting attention block size to 544 tokens" and "Padding mamba page size
-    # by 1.49%" (a start-up log posted as LegalAI-DataPipeline's vllm log, 2025-10-23).
+    # by 1.49%" (a public start-up log, dated 10-23, whose shell prompt names a "LegalAI-DataPipeline" project;
+    # found through the code-search index, its repository not recorded there).
     pages = hybrid_pages(QWEN3_NEXT, tp=2)
     assert pages.block_size == 544
     assert f"{pages.padding_percent:.2f}" == "1.49"
+
+
+def test_the_same_log_s_pool_and_concurrency_follow_from_its_available_memory():
+    # The same log: "Available KV cache memory: 44.59 GiB" per rank, "GPU KV cache size: 973,760 tokens" and
+    # "Maximum concurrency for 262,144 tokens per request: 14.77x". The printed memory is rounded to 0.01 GiB;
+    # every value it may stand for gives vLLM's figures.
+    pages = hybrid_pages(QWEN3_NEXT, tp=2)
+    assert (pages.group_size, pages.groups) == (12, (1, 3))
+    for gib in (44.585, 44.59, 44.5949):
+        available = int(gib * 2**30)
+        assert pages.pool_tokens(available) == 973_760
+        # 7,161 to 7,163 blocks over 485 a request (482 attention blocks of 544 tokens, 3 state pages)
+        assert abs(pages.max_concurrency(available, 262_144) - 14.77) < 0.006
+    assert f"{pages.max_concurrency(int(44.59 * 2**30), 262_144):.2f}" == "14.77"
 
 
 def test_qwen3_next_by_hand():

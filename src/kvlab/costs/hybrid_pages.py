@@ -73,6 +73,35 @@ class HybridPages:
         """Bytes of the pool one sequence of `context` tokens holds."""
         return self.pages(context) * self.page_bytes
 
+    @property
+    def group_size(self) -> int:
+        """Layers per KV-cache group: the smaller of the two layer counts (vLLM groups each kind's layers in
+        groups of this size; every group's blocks span one layer of each of `group_size` shared tensors)."""
+        return min(self.attention_layers, self.state_layers)
+
+    @property
+    def groups(self) -> tuple[int, int]:
+        """(attention groups, state groups): each kind's layers in groups of `group_size`, the last one padded."""
+        size = self.group_size
+        return math.ceil(self.attention_layers / size), math.ceil(self.state_layers / size)
+
+    def num_blocks(self, available_bytes: int) -> int:
+        """Blocks of the pool vLLM builds from `available_bytes` ("Available KV cache memory"): a block id holds
+        one page in each of `group_size` tensors."""
+        check_count("available_bytes", available_bytes)
+        return available_bytes // (self.page_bytes * self.group_size)
+
+    def pool_tokens(self, available_bytes: int) -> int:
+        """vLLM's "GPU KV cache size: N tokens" for that memory: the blocks shared among all groups, in tokens."""
+        return self.num_blocks(available_bytes) // sum(self.groups) * self.block_size
+
+    def max_concurrency(self, available_bytes: int, max_model_len: int) -> float:
+        """vLLM's "Maximum concurrency for N tokens per request": the pool's blocks over one full-length request's
+        blocks (one per started block in each attention group, one in each state group)."""
+        attention_groups, state_groups = self.groups
+        per_request = attention_groups * math.ceil(max_model_len / self.block_size) + state_groups
+        return self.num_blocks(available_bytes) / per_request
+
     def needed_bytes(self, context: int) -> int:
         """Bytes its K, V and state fill: what pages of one token and unpadded states would hold."""
         check_count("context", context)
