@@ -269,8 +269,12 @@ def size_report(
     engine: str = "vllm",
     mem_fraction_static: float | None = None,
     images: ImageRequest | None = None,
+    eviction: Eviction | None = None,
 ) -> str:
     """The text `kvlab size` prints; with `gpu`, the memory budget line by line (`kvlab.costs.budget`).
+
+    With `eviction`, each sequence keeps only some of its tokens (`kvlab.specs.sizing.evicted_context`), and every
+    per-sequence figure and the sequences that fit count those.
 
     With `images` (an image-text model), each sequence holds those images' tokens beside its `context` text
     tokens, and the budget charges vLLM's encoder cache (`kvlab.specs.images`).
@@ -292,6 +296,10 @@ def size_report(
     text_context = context
     if image_cost is not None:
         context += image_cost.prompt_tokens
+    seen = context
+    if eviction is not None:
+        sizing.check_evictable(spec)
+        context = eviction.kept(seen)
     per_seq = sizing.kv_cache_bytes(config, context, 1, s.kv_dtype, tp=tp, pp=pp)
     total = per_seq * batch
     weights = sizing.weight_bytes_per_gpu(config, s.weight_dtype, tp=tp, pp=pp)
@@ -312,6 +320,7 @@ def size_report(
         f"KV per token {format_bytes(per_token)} ({per_token:,} B, {s.kv_dtype})",
         *_draft_lines(config, spec_decode, s),
         *_image_lines(image_cost, text_context),
+        *([] if eviction is None else [eviction.line(seen)]),
         f"KV per seq   {format_bytes(per_seq)} at {format_tokens(context)} tokens",
         *_state_line(config, spec, s.kv_dtype),
         f"KV total     {format_bytes(total)} for {_sequences(batch)}",
@@ -331,6 +340,40 @@ def size_report(
         lines += [f"on {hardware.get(gpu).name}: the memory budget", *plan.lines(context)]
         lines.append(f"  {_sequences(batch)} of {format_tokens(context)} tokens: {verdict} (room for {seqs})")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """`kvlab size --keep-ratio R` or `--window W [--sinks S]`: the tokens a sequence keeps."""
+
+    keep_ratio: float | None = None
+    sinks: int = 0
+    window: int | None = None
+
+    def kept(self, context: int) -> int:
+        return sizing.evicted_context(context, self.keep_ratio, self.sinks, self.window)
+
+    def line(self, context: int) -> str:
+        rule = (
+            f"--keep-ratio {self.keep_ratio:g}"
+            if self.window is None
+            else f"{self.sinks} sinks + a {self.window:,}-token window"
+        )
+        return (
+            f"evicted      keeps {self.kept(context):,} of {context:,} tokens per sequence ({rule}; "
+            "the accuracy this costs is not in these figures)"
+        )
+
+
+def _eviction(args: argparse.Namespace) -> Eviction | None:
+    if args.keep_ratio is None and args.window is None:
+        if args.sinks:
+            raise ValueError("--sinks go with --window")
+        return None
+    eviction = Eviction(args.keep_ratio, args.sinks, args.window)
+    # The rule's own checks, once, before any sizing
+    eviction.kept(1)
+    return eviction
 
 
 @dataclass(frozen=True)
@@ -517,6 +560,23 @@ def _add_size_arguments(size: argparse.ArgumentParser) -> None:
     _add_speculative_arguments(size)
     _add_image_arguments(size)
     _add_limit_images_argument(size)
+    _add_eviction_arguments(size)
+
+
+def _add_eviction_arguments(size: argparse.ArgumentParser) -> None:
+    size.add_argument(
+        "--keep-ratio",
+        type=_share,
+        help="KV eviction (SnapKV, H2O, uniform): each sequence keeps this share of its tokens",
+    )
+    size.add_argument(
+        "--window",
+        type=_positive_int,
+        help="KV eviction (StreamingLLM): keep the last W tokens and the sinks",
+    )
+    size.add_argument(
+        "--sinks", type=_nonnegative_int, default=0, help="with --window: the first S tokens kept as well"
+    )
 
 
 def _add_image_arguments(size: argparse.ArgumentParser) -> None:
@@ -642,6 +702,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.engine,
                     args.mem_fraction_static,
                     _image_request(args),
+                    _eviction(args),
                 )
             )
     except (arch.UnknownModelError, arch.UnsupportedConfigError, ValueError) as err:

@@ -165,6 +165,34 @@ def kv_read_bytes(config: PretrainedConfig | str, context: int, dtype: DType = N
     return kv_cache_bytes(config, context, 1, chosen, tp=tp) - unread * dtype_bytes(chosen)
 
 
+def evicted_context(
+    context: int, keep_ratio: float | None = None, sinks: int = 0, window: int | None = None
+) -> int:
+    """Tokens a sequence of `context` tokens keeps under KV eviction (`kvlab.experiments.evict`): the first
+    `sinks` and the last `window` (StreamingLLM), or ceil(`keep_ratio` × context), at least one. Give one rule."""
+    check_count("context", context)
+    if (keep_ratio is None) == (window is None):
+        raise ValueError("give a keep ratio or a window (with sinks), not both and not neither")
+    if window is not None:
+        check_count("window", window)
+        check_count("sinks", sinks, 0)
+        return min(context, sinks + window)
+    if sinks:
+        raise ValueError("sinks go with a window, not with a keep ratio")
+    if isinstance(keep_ratio, bool) or not isinstance(keep_ratio, int | float) or not 0 < keep_ratio <= 1:
+        raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio!r}")
+    return max(1, math.ceil(keep_ratio * context - 1e-9))
+
+
+def check_evictable(spec: ArchSpec) -> None:
+    """Eviction applies to layers that keep every token (full attention, MLA): refuse windows and state."""
+    others = sorted(set(spec.kinds) - {"full", "mla", "none"})
+    if others:
+        raise UnsupportedConfigError(
+            f"{spec.name}: eviction is sized for full-attention and MLA layers only; it has {', '.join(others)}"
+        )
+
+
 def state_bytes_per_sequence(config: PretrainedConfig | str, dtype: DType = None) -> int:
     """Bytes of the fixed-size state one sequence keeps once it has seen a token, summed over the state layers.
 
