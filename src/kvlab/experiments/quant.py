@@ -35,6 +35,7 @@ import torch
 from transformers import Cache, DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
+from kvlab.experiments import evict
 from kvlab.experiments.decode import DecodeResult, greedy_decode
 from kvlab.kv_format import (
     SCALE_DTYPE,
@@ -428,7 +429,8 @@ CacheFactory = Callable[[], Cache]
 
 def cache_factory(method: str | None, model: Any, **options: Any) -> CacheFactory:
     """A zero-argument builder of fresh caches: None → `DynamicCache`, ``"hf-fp8"`` → transformers' own
-    `QuantizedCache(backend="fp8")`, else `make_cache(method, ...)`."""
+    `QuantizedCache(backend="fp8")`, an eviction policy (`kvlab.experiments.evict.POLICIES`) → its cache, else
+    `make_cache(method, ...)`."""
     config = model.config
     if method is None or method == "none":
         return lambda: DynamicCache(config=config)
@@ -436,6 +438,10 @@ def cache_factory(method: str | None, model: Any, **options: Any) -> CacheFactor
         from transformers import QuantizedCache
 
         return lambda: QuantizedCache("fp8", config)
+    if method in evict.POLICIES:
+        # Validate now, not inside a loop
+        evict.make_cache(method, model, **options)
+        return lambda: evict.make_cache(method, model, **options)
     # Validate now, not inside a loop
     make_cache(method, config, **options)
     return lambda: make_cache(method, config, **options)
@@ -522,8 +528,9 @@ def accuracy(
     """Teacher-forced accuracy of each cache variant against `DynamicCache` on a long token stream `ids` (1-D).
 
     The stream is cut into segments of `segment` tokens; each segment is fed `chunk` tokens at a time, so every
-    chunk attends to the cache's stored (quantized) history and to its own stored states. The first chunk of each
-    segment is not scored (it has no history). Methods are `make_cache` names or ``"hf-fp8"``.
+    chunk attends to the cache's stored (quantized or evicted) history and to its own stored states. The first chunk
+    of each segment is not scored (it has no history). Methods are `make_cache` names, ``"hf-fp8"`` or eviction
+    policies (`kvlab.experiments.evict`).
     """
     ids = ids.reshape(-1)
     if ids.numel() < 2 * chunk or segment < 2 * chunk:
