@@ -204,3 +204,29 @@ def test_real_model_perplexity_rises_as_the_keep_ratio_falls():
     # SmolLM2-135M on the book's prose: about +8 % at half the cache and more at a quarter on this CPU; the 2 %
     # steps are far above float noise and far below those gaps.
     assert ppl[1] > 1.02 * ppl[0] and ppl[2] > 1.02 * ppl[1], ppl
+
+
+@pytest.mark.slow
+def test_real_model_retrieves_a_passkey_the_cache_keeps():
+    model, tokenizer = models.real_model(device="cpu")
+    key = "58213"
+    for depth in (0.0, 0.5, 1.0):
+        ids = evict.passkey_prompt(tokenizer, 40, depth, key)
+        assert 900 < ids.shape[1] < 1000
+        # The full cache finds the number wherever it stands.
+        assert evict.retrieves(model, tokenizer, ids, key), depth
+        # StreamingLLM's 4 sinks and 64-token window hold it only when it stands at the end.
+        kept = evict.retrieves(model, tokenizer, ids, key, "streaming", sinks=4, window=64)
+        assert kept == (depth == 1.0), depth
+
+
+def test_passkey_prompts_place_the_key_and_refuse_bad_input():
+    class Words:
+        def __call__(self, text):
+            return {"input_ids": list(range(len(text.split())))}
+
+    assert evict.passkey_prompt(Words(), 4, 0.5, "1").shape[0] == 1
+    with pytest.raises(ValueError, match=r"depth must be in \[0, 1\]"):
+        evict.passkey_prompt(Words(), 4, 1.5, "1")
+    with pytest.raises(ValueError, match="repeats must be an integer >= 0"):
+        evict.passkey_prompt(Words(), -1, 0.5, "1")

@@ -336,3 +336,46 @@ def kept_tokens(policy: str, prompt: int, generated: int = 0, **options: Any) ->
     if isinstance(layer, H2OLayer):
         return evicted_context(prompt + generated, layer.keep_ratio)
     return evicted_context(prompt, layer.keep_ratio) + generated
+
+
+# The passkey task's filler, in kvlab's own words: sentences that carry nothing to remember.
+PASSKEY_FILLER = "The river runs to the sea. Leaves fall in autumn. Birds sing at dawn. The road goes on. "
+
+
+def passkey_prompt(tokenizer: Any, repeats: int, depth: float, key: str) -> torch.Tensor:
+    """Token ids `(1, T)` of a passkey retrieval prompt (the task of Mohtashami and Jaggi, 2023,
+    arXiv:2305.16300, worded anew): `key` stated twice after `round(depth × repeats)` of `repeats` filler
+    sentences, then asked for, the answer left for the model to complete."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 0:
+        raise ValueError(f"repeats must be an integer >= 0, got {repeats!r}")
+    if not 0 <= depth <= 1:
+        raise ValueError(f"depth must be in [0, 1], got {depth!r}")
+    before = round(repeats * depth)
+    text = (
+        "A number is hidden in the long text below. Remember it: you will be asked for it.\n"
+        + PASSKEY_FILLER * before
+        + f"The number to remember is {key}. Again, the number is {key}. "
+        + PASSKEY_FILLER * (repeats - before)
+        + "\nWhat is the number to remember? The number is"
+    )
+    return torch.tensor([tokenizer(text)["input_ids"]])
+
+
+def retrieves(
+    model: Any,
+    tokenizer: Any,
+    ids: torch.Tensor,
+    key: str,
+    policy: str | None = None,
+    max_new_tokens: int = 6,
+    **options: Any,
+) -> bool:
+    """Whether greedy decoding of `ids` with a `policy` cache (None: the full cache) writes `key` within
+    `max_new_tokens` tokens."""
+    cache = make_cache(policy, model, **options) if policy is not None else None
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        out = model.generate(
+            ids.to(device), cache=cache, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+        )
+    return key in tokenizer.decode(out[0, ids.shape[1] :])
