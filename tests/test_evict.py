@@ -230,3 +230,33 @@ def test_passkey_prompts_place_the_key_and_refuse_bad_input():
         evict.passkey_prompt(Words(), 4, 1.5, "1")
     with pytest.raises(ValueError, match="repeats must be an integer >= 0"):
         evict.passkey_prompt(Words(), -1, 0.5, "1")
+
+
+def test_a_dropped_token_ends_the_reusable_prefix(model):
+    # StreamingLLM's 4 sinks cannot fill a block of 16: no block stays reusable; keeping all keeps them all.
+    cache = evict.make_cache("streaming", model, sinks=4, window=12)
+    with torch.inference_mode():
+        model(_ids(PROMPT), cache=cache)
+    assert evict.reusable_prefix_blocks(cache.layers[0].positions, 16) == 0
+    assert evict.reusable_prefix_blocks(cache.layers[0].positions, 4) == 1
+    assert evict.reusable_prefix_blocks(torch.arange(40), 16) == 2
+    # One head dropping token 20 ends the chain in the second block for all.
+    heads = torch.stack([torch.arange(40), torch.cat([torch.arange(20), torch.arange(21, 41)])])
+    assert evict.reusable_prefix_blocks(heads, 16) == 1
+    with pytest.raises(ValueError, match="block_size must be an integer >= 1"):
+        evict.reusable_prefix_blocks(torch.arange(4), 0)
+
+
+def test_shrinks_are_compared_on_stored_bytes_and_accuracy(model):
+    ids = torch.randint(0, 128, (256,), generator=torch.Generator().manual_seed(4))
+    variants = {
+        "int8": ("int8", {}),
+        "uniform 0.5": ("uniform", {"keep_ratio": 0.5}),
+        "streaming 4+12": ("streaming", {"sinks": 4, "window": 12}),
+    }
+    points = {p.name: p for p in evict.compare_shrinks(model, ids, variants, segment=128, chunk=32)}
+    # int8: one byte per element plus an fp16 scale per 16-element head row, against fp32
+    assert points["int8"].stored_fraction == pytest.approx((16 + 2) / (16 * 4))
+    assert points["uniform 0.5"].stored_fraction == 0.5
+    assert points["streaming 4+12"].stored_fraction == 16 / 128
+    assert points["streaming 4+12"].kl > points["int8"].kl

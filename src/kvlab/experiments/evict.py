@@ -379,3 +379,80 @@ def retrieves(
             ids.to(device), cache=cache, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
         )
     return key in tokenizer.decode(out[0, ids.shape[1] :])
+
+
+def reusable_prefix_blocks(positions: torch.Tensor, block_size: int = 16) -> int:
+    """Full blocks at the start of a sequence that a prefix cache could still serve after eviction.
+
+    A prefix cache (chapter 9) keys each block by a hash of its tokens chained over every earlier block, and
+    serves it only whole. After eviction a block is whole only if every one of its positions is kept, in every
+    KV head; the first block with a dropped token ends the chain. `positions`: a layer's kept positions
+    `(batch, kv_heads, kept)` or `(kept,)`.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+    rows = positions.reshape(-1, positions.shape[-1])
+    leading = []
+    for row in rows.tolist():
+        # Kept positions are in order: the prefix is whole up to the first gap
+        n = 0
+        while n < len(row) and row[n] == n:
+            n += 1
+        leading.append(n)
+    return min(leading) // block_size
+
+
+@dataclass(frozen=True)
+class ShrinkPoint:
+    """One way to shrink the cache, measured on the same text: what it stores against what it costs."""
+
+    name: str
+    # Bytes stored after a segment, over the full cache's on the same tokens
+    stored_fraction: float
+    perplexity: float
+    reference_perplexity: float
+    kl: float
+    top1_agreement: float
+
+
+def compare_shrinks(
+    model: Any,
+    ids: torch.Tensor,
+    variants: dict[str, tuple[str, dict[str, Any]]],
+    *,
+    segment: int,
+    chunk: int,
+) -> list[ShrinkPoint]:
+    """Quantized and evicting caches on one token stream: each variant (`name: (method or policy, options)`)
+    scored by `kvlab.experiments.quant.accuracy`, and its stored bytes after one `segment` fed `chunk` tokens at a
+    time, against a `DynamicCache`'s (`kvlab.experiments.quant.stored_bytes`)."""
+    from kvlab.experiments import quant
+
+    ids = ids.reshape(-1)
+    device = next(model.parameters()).device
+    first = ids[:segment].to(device)[None]
+    full = quant.stored_bytes(_filled(model, first, quant.cache_factory(None, model)(), chunk))
+    points = []
+    for name, (method, options) in variants.items():
+        (score,) = quant.accuracy(
+            model, ids, [method], segment=segment, chunk=chunk, options={method: options}
+        ).values()
+        cache = _filled(model, first, quant.cache_factory(method, model, **options)(), chunk)
+        points.append(
+            ShrinkPoint(
+                name,
+                quant.stored_bytes(cache) / full,
+                score.perplexity,
+                score.reference_perplexity,
+                score.kl,
+                score.top1_agreement,
+            )
+        )
+    return points
+
+
+def _filled(model: Any, ids: torch.Tensor, cache: Cache, chunk: int) -> Cache:
+    with torch.inference_mode():
+        for start in range(0, ids.shape[1], chunk):
+            model(ids[:, start : start + chunk], cache=cache)
+    return cache
