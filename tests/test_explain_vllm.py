@@ -114,3 +114,40 @@ def test_a_v0_log_is_charged_no_cuda_graphs_and_a_whole_prompt_profiled(capsys):
     assert found.memory.driver_reserved_bytes == 0  # the log prints CUDA's own total
     # kvlab's pool stays below what that vLLM found (3.81 GiB): the estimates are on the high side
     assert 0 < found.memory.kv_headroom_bytes < log.available_kv.bytes
+
+
+# The memory lines of a public vLLM 0.10.2 start-up log: Qwen3-Next-80B-A3B-Instruct on two H200s, TP=2, bf16,
+# prefix caching off (dated 10-23; its shell prompt names a "LegalAI-DataPipeline" project; found through the
+# code-search index, which did not record its repository). The same figures test kvlab.costs.hybrid_pages.
+QWEN3_NEXT_LOG = """\
+INFO 10-23 15:10:10 [api_server.py:1896] vLLM API server version 0.10.2
+INFO 10-23 15:10:22 [config.py:390] Setting attention block size to 544 tokens to ensure that attention page \
+size is >= mamba page size.
+INFO 10-23 15:10:22 [config.py:411] Padding mamba page size by 1.49% to ensure that mamba page size and \
+attention page size are exactly equal.
+INFO 10-23 15:10:29 [core.py:76] Initializing a V1 LLM engine (v0.10.2) with config: \
+model='/data/models/Qwen3-Next-80B-A3B-Instruct', dtype=torch.bfloat16, max_seq_len=262144, \
+tensor_parallel_size=2, pipeline_parallel_size=1, kv_cache_dtype=auto, enable_prefix_caching=False
+INFO 10-23 15:14:18 [gpu_model_runner.py:2392] Model loading took 74.2812 GiB and 215.831224 seconds
+INFO 10-23 15:14:30 [gpu_worker.py:298] Available KV cache memory: 44.59 GiB
+INFO 10-23 15:14:30 [kv_cache_utils.py:1028] GPU KV cache size: 973,760 tokens
+INFO 10-23 15:14:30 [kv_cache_utils.py:1032] Maximum concurrency for 262,144 tokens per request: 14.77x
+"""
+
+
+def test_a_hybrid_log_is_explained_page_by_page(tmp_path, capsys):
+    log = tmp_path / "qwen3-next.log"
+    log.write_text(QWEN3_NEXT_LOG)
+    parsed = vllm_log.parse(QWEN3_NEXT_LOG)
+    assert (parsed.hybrid_block_size, parsed.state_padding_percent) == (544, 1.49)
+    assert cli.main(["explain-vllm", str(log), "--model", "Qwen/Qwen3-Next-80B-A3B-Instruct"]) == 0
+    out = capsys.readouterr().out
+    assert "attention block vLLM 544 tokens, kvlab 544; state page padded by vLLM 1.49%, kvlab 1.49%" in out
+    assert "KV tokens: vLLM 973,760; kvlab 973,760" in out
+    assert "= 14.77x (vLLM printed 14.77x)" in out
+    assert "weights                    74.3 GiB" in out
+    # Without the model, no quotient of tokens by length passes for vLLM's figure
+    assert cli.main(["explain-vllm", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "a hybrid model (vLLM set its attention block to 544 tokens)" in out
+    assert "3.71x" not in out

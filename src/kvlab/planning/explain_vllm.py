@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from kvlab.costs import budget
 from kvlab.planning.vllm_log import DEFAULT_BLOCK_SIZE, StartupLog
 from kvlab.specs import arch, hardware, vllm_defaults
+from kvlab.specs.shape import shape
 from kvlab.units import dtype_bytes, format_bytes
 
 # Fine-tuned checkpoints whose config.json has the same layers, heads and widths as a registry entry, so the
@@ -28,6 +29,8 @@ from kvlab.units import dtype_bytes, format_bytes
 SAME_SHAPE = {
     "meta-llama/Llama-3.1-8B-Instruct": "meta-llama/Llama-3.1-8B",
     "meta-llama/Llama-3.1-70B-Instruct": "meta-llama/Llama-3.1-70B",
+    # The Instruct and Thinking releases share one architecture (their model cards' tables)
+    "Qwen/Qwen3-Next-80B-A3B-Instruct": "Qwen/Qwen3-Next-80B-A3B-Thinking",
 }
 
 # vLLM's kv_cache_dtype names and the element kvlab sizes them with ("auto": the model's own dtype)
@@ -201,7 +204,13 @@ def explain(log: StartupLog, model: str | None = None, total_bytes: int | None =
     per_token = mb = s = None
     # the profiled step; only read once kvlab can size the model
     batched = seqs = 0
-    if sized is not None:
+    # vLLM pages a hybrid's state beside its blocks: its tokens and concurrency count pages, not bytes
+    hybrid = sized is not None and shape(sized).spec.has_state
+    if hybrid:
+        out.append(
+            f"  {sized} keeps state per sequence: kvlab's budget does not model it, vLLM's figures only"
+        )
+    if sized is not None and not hybrid:
         from kvlab.specs.sizing import kv_bytes_per_token
 
         per_token = kv_bytes_per_token(sized, dtype, tp=tp)
@@ -317,7 +326,11 @@ def explain(log: StartupLog, model: str | None = None, total_bytes: int | None =
             f"{recomputed:,} from the printed {format_bytes(log.available_kv.bytes)} at {per_token:,} B/token "
             f"per GPU, blocks of {block} (the printed memory is rounded to ±{format_bytes(log.available_kv.half_ulp_bytes)})"
         )
-    out += _concurrency(log, sized, dtype, tp, batched)
+    if hybrid:
+        assert sized is not None
+        out += _hybrid(log, sized, dtype, tp)
+    else:
+        out += _concurrency(log, sized, dtype, tp, batched)
     out.append(_lever(terms, log))
     return "\n".join(out)
 
@@ -332,12 +345,55 @@ def _graph_note(s: budget.BudgetSettings | None) -> str:
     return "kvlab: estimate (kvlab.costs.budget.cuda_graph_bytes)"
 
 
+def _hybrid(log: StartupLog, sized: str, dtype: str | None, tp: int) -> list[str]:
+    """A hybrid model's pages (`kvlab.costs.hybrid_pages`) beside the log's block size, padding, token count and
+    concurrency."""
+    from kvlab.costs.hybrid_pages import hybrid_pages
+
+    pages = hybrid_pages(sized, _run_dtype(log, sized) if dtype is None else dtype, tp=tp)
+    attention_groups, state_groups = pages.groups
+    printed_block = "not printed" if log.hybrid_block_size is None else f"{log.hybrid_block_size:,} tokens"
+    printed_padding = (
+        "not printed" if log.state_padding_percent is None else f"{log.state_padding_percent:.2f}%"
+    )
+    lines = [
+        f"  hybrid pages: attention block vLLM {printed_block}, kvlab {pages.block_size:,}; state page padded by "
+        f"vLLM {printed_padding}, kvlab {pages.padding_percent:.2f}% (kvlab.costs.hybrid_pages, TP={tp})",
+    ]
+    if log.available_kv is None:
+        return [*lines, "  KV tokens: the log prints no available KV memory to convert"]
+    available = log.available_kv.bytes
+    blocks = pages.num_blocks(available)
+    lines.append(
+        f"  KV tokens: vLLM {log.tokens if log.tokens is None else f'{log.tokens:,}'}; kvlab "
+        f"{pages.pool_tokens(available):,} from the printed {format_bytes(available)}: {blocks:,} blocks of "
+        f"{pages.group_size} layer pages of {format_bytes(pages.page_bytes)}, over {sum(pages.groups)} KV-cache "
+        f"groups ({attention_groups} attention, {state_groups} state) × {pages.block_size:,} tokens"
+    )
+    seq = log.max_concurrency_tokens or log.max_seq_len
+    if seq is not None:
+        per_request = attention_groups * math.ceil(seq / pages.block_size) + state_groups
+        lines.append(
+            f"  concurrency: {blocks:,} blocks / {per_request:,} per request of {seq:,} tokens "
+            f"({per_request - state_groups:,} attention blocks + {state_groups} state pages) = "
+            f"{pages.max_concurrency(available, seq):.2f}x"
+            + (f" (vLLM printed {log.max_concurrency:.2f}x)" if log.max_concurrency is not None else "")
+        )
+    return lines
+
+
 def _concurrency(log: StartupLog, sized: str | None, dtype: str | None, tp: int, batched: int) -> list[str]:
     tokens, seq = log.tokens, log.max_concurrency_tokens or log.max_seq_len
     if tokens is None:
         return ["  concurrency: the log prints no token count to explain"]
     if seq is None:
         return [f"  concurrency: {tokens:,} tokens; the log prints no max_seq_len to divide them by"]
+    if log.hybrid_block_size is not None:
+        return [
+            f"  concurrency: a hybrid model (vLLM set its attention block to {log.hybrid_block_size:,} tokens): "
+            "its token count and concurrency count pages across KV-cache groups; pass --model to explain them"
+            + (f" (vLLM printed {log.max_concurrency:.2f}x)" if log.max_concurrency is not None else "")
+        ]
     lines = [
         f"  concurrency: {tokens:,} tokens / {seq:,} per request = {tokens / seq:.2f}x"
         + (f" (vLLM printed {log.max_concurrency:.2f}x)" if log.max_concurrency is not None else "")

@@ -72,6 +72,9 @@ class StartupLog:
     max_concurrency_tokens: int | None
     # The one-line ledger's "consumed memory (weights + non-torch)"
     weights_and_non_torch: Printed | None = None
+    # A hybrid model's page alignment: "Setting attention block size to N tokens", "Padding mamba page size by X%"
+    hybrid_block_size: int | None = None
+    state_padding_percent: float | None = None
 
     @property
     def non_torch_memory(self) -> Printed | None:
@@ -174,6 +177,7 @@ def parse(text: str) -> StartupLog:
         )
         or _word(text, r"Desired GPU memory utilization is \((\d+(?:\.\d+)?),")
     )
+    padding = _word(text, r"Padding mamba page size by (\d+(?:\.\d+)?)%")
     return StartupLog(
         format="v1" if any(marker in text for marker in v1_markers) else "v0",
         vllm_version=_word(text, r"LLM engine \(v([^)\s]+)\)") or _word(text, r"API server version (\S+)"),
@@ -217,4 +221,6 @@ def parse(text: str) -> StartupLog:
         weights_and_non_torch=_size(
             text, rf"Actual usage is {_NUMBER} ?(GiB) for consumed memory \(weights \+ non-torch\)"
         ),
+        hybrid_block_size=_int(text, r"Setting attention block size to (\d+) tokens"),
+        state_padding_percent=None if padding is None else float(padding),
     )
