@@ -254,7 +254,9 @@ def test_shrinks_are_compared_on_stored_bytes_and_accuracy(model):
         "uniform 0.5": ("uniform", {"keep_ratio": 0.5}),
         "streaming 4+12": ("streaming", {"sinks": 4, "window": 12}),
     }
-    points = {p.name: p for p in evict.compare_shrinks(model, ids, variants, segment=128, chunk=32)}
+    from kvlab.experiments import quant
+
+    points = {p.name: p for p in quant.compare_shrinks(model, ids, variants, segment=128, chunk=32)}
     # int8: one byte per element plus an fp16 scale per 16-element head row, against fp32
     assert points["int8"].stored_fraction == pytest.approx((16 + 2) / (16 * 4))
     assert points["uniform 0.5"].stored_fraction == 0.5

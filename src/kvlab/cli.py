@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from kvlab.book import sweep
 from kvlab.costs import budget
 from kvlab.specs import arch, hardware, shape, sizing
-from kvlab.units import format_bytes, format_tokens, parse_tokens
+from kvlab.units import format_bytes, format_count, format_tokens, parse_tokens
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -486,7 +486,7 @@ def _sglang_lines(
 
 
 def _sequences(n: int) -> str:
-    return f"{n} sequence" if n == 1 else f"{n} sequences"
+    return format_count(n, "sequence")
 
 
 def _no_fit(

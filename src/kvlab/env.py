@@ -11,6 +11,8 @@ import platform
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvlab.units import format_count
+
 if TYPE_CHECKING:
     import torch
 
@@ -42,7 +44,8 @@ def device_name(device: str | torch.device | None = None) -> str:
     device = pick_device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    threads = format_count(torch.get_num_threads(), "thread")
+    return f"CPU ({platform.processor() or platform.machine()}, {threads})"
 
 
 def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:

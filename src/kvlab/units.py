@@ -49,6 +49,11 @@ def format_tokens(n: int) -> str:
     return str(n)
 
 
+def format_count(n: int, noun: str) -> str:
+    """`n` and `noun`, plural unless `n` is 1: "1 thread", "2 threads"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def format_floor(x: float, decimals: int = 0) -> str:
     """A lower bound for prose: `decimals` places, rounded down, so "at least" never overstates it (14.7 -> '14')."""
     return _format_rounded(x, decimals, ROUND_FLOOR)

@@ -678,3 +678,57 @@ def quantize_weights_int8(
     quantize(model, weights=qint8, exclude=exclude)
     freeze(model)
     return model
+
+
+@dataclass(frozen=True)
+class ShrinkPoint:
+    """One way to shrink the cache, measured on the same text: what it stores against what it costs."""
+
+    name: str
+    # Bytes stored after a segment, over the full cache's on the same tokens
+    stored_fraction: float
+    perplexity: float
+    reference_perplexity: float
+    kl: float
+    top1_agreement: float
+
+
+def compare_shrinks(
+    model: Any,
+    ids: torch.Tensor,
+    variants: dict[str, tuple[str, dict[str, Any]]],
+    *,
+    segment: int,
+    chunk: int,
+) -> list[ShrinkPoint]:
+    """Quantized and evicting caches on one token stream: each variant (`name: (method or policy, options)`)
+    scored by `kvlab.experiments.accuracy`, and its stored bytes after one `segment` fed `chunk` tokens at a
+    time, against a `DynamicCache`'s (`kvlab.experiments.stored_bytes`)."""
+    ids = ids.reshape(-1)
+    device = next(model.parameters()).device
+    first = ids[:segment].to(device)[None]
+    full = stored_bytes(_filled(model, first, cache_factory(None, model)(), chunk))
+    points = []
+    for name, (method, options) in variants.items():
+        (score,) = accuracy(
+            model, ids, [method], segment=segment, chunk=chunk, options={method: options}
+        ).values()
+        cache = _filled(model, first, cache_factory(method, model, **options)(), chunk)
+        points.append(
+            ShrinkPoint(
+                name,
+                stored_bytes(cache) / full,
+                score.perplexity,
+                score.reference_perplexity,
+                score.kl,
+                score.top1_agreement,
+            )
+        )
+    return points
+
+
+def _filled(model: Any, ids: torch.Tensor, cache: Cache, chunk: int) -> Cache:
+    with torch.inference_mode():
+        for start in range(0, ids.shape[1], chunk):
+            model(ids[:, start : start + chunk], cache=cache)
+    return cache

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from kvlab.checks import check_count
+from kvlab.units import format_count
 
 if TYPE_CHECKING:
     import torch
@@ -681,5 +682,5 @@ def measure(
         host_link_bytes_per_s=host_link,
         copy_bytes=copied,
         matmul_size=n,
-        note=f"{torch.get_num_threads()} torch threads" if not gpu else "",
+        note=format_count(torch.get_num_threads(), "torch thread") if not gpu else "",
     )
