@@ -21,7 +21,11 @@ every token it has seen as its sequence length, so new tokens get their true pos
 mask its kept keys as the ones just before the new tokens. That is exact for a batch without padding (one prompt,
 or prompts of one length); a padded batch's padding mask would be read at the wrong positions. SnapKV and H2O need the queries: `make_cache` hooks the model's attention modules (Llama-style
 `q_proj`, optional `q_norm`, rotary embedding), and the hook hands each forward's hidden states to the cache it is
-called with. Chapter: *Keeping fewer tokens*.
+called with. `kvlab.experiments.quant.accuracy` and `compare_shrinks` score these caches beside the quantized ones.
+
+NVIDIA's kvpress packages such policies as "presses", but its latest release on PyPI (0.5.5) requires
+transformers<5.3 and kvlab pins 5.24, so it is not installed and no peer check against it runs here.
+Chapter: *Keeping fewer tokens*.
 """
 
 from __future__ import annotations
