@@ -48,7 +48,9 @@ def test_mha_model_over_its_pool_fires_active_tokens_then_attention_and_precisio
     resident = 64 * (2000 + 250)
     assert resident > pool
     applying = [lever.step for lever in d.levers if lever.applies]
-    assert applying == [2, 3, 4]
+    # Eviction applies too, but last: it costs accuracy, the others do not
+    assert applying == [2, 3, 4, 10]
+    assert d.first is not None and d.first.step == 2
     assert d.levers[1].numbers["fits_seqs"] == pool // 2250
     assert d.levers[2].numbers["per_token"] == 4 * d.levers[2].numbers["gqa_per_token"]  # 32 -> 8 KV heads
     assert (
@@ -221,9 +223,9 @@ def situation(in_flight, **fields):
 POOL = budget.memory_budget(LLAMA, "H100-SXM").max_tokens()
 
 
-def test_the_levers_are_the_books_nine_steps_in_order():
+def test_the_levers_are_the_books_ten_steps_in_order():
     s = situation(8, concurrency=8)
-    assert [lever(s).step for lever in D.LEVERS] == list(range(1, 10))
+    assert [lever(s).step for lever in D.LEVERS] == list(range(1, 11))
     assert POOL == 410_064
 
 
@@ -291,3 +293,27 @@ def test_topology_fires_only_when_no_block_fits_and_names_the_smallest_tp():
     # 2.25, the sampler's 1,024 rows × 128,256 logits × 40 B = 4.89, 51 CUDA graphs 2.41: 2.4 GiB short. TP=4
     # halves the weights to 32.9 GiB, so 4 is the smallest TP that holds a block.
     assert lever.applies and lever.numbers["tp_fit"] == 4
+
+
+def test_token_eviction_prices_half_the_tokens_where_the_cache_binds():
+    # Llama-3.1-8B on an H100: requests of 160 + 340 tokens hold 330 on average (mean_resident), 410,064 in the pool
+    over = D.token_eviction(situation(2000, concurrency=2000))
+    assert over.applies and over.step == 10
+    assert over.numbers["fits"] == POOL // 330
+    assert over.numbers["fits_kept"] == POOL // 165
+    assert "vllm-project/vllm/issues/5751" in over.vllm and "sglang/issues/12607" in over.sglang
+    assert f"{POOL // 165:,} mean requests instead of {POOL // 330:,}" in over.why
+    assert not D.token_eviction(situation(8, concurrency=8)).applies
+
+
+def test_token_eviction_applies_to_one_long_request_that_fills_the_pool():
+    long = situation(1, concurrency=1, max_input=120_000, max_output=4000)
+    assert D.long_context(long).applies and D.token_eviction(long).applies
+
+
+def test_token_eviction_does_not_apply_to_a_model_whose_cache_is_bounded():
+    d = Deployment("mistralai/Mistral-7B-v0.1", "A100-80GB", 4000, 300, concurrency=200)
+    lever = diagnose(d).levers[-1]
+    assert D.situation(d).resident > D.situation(d).pool
+    assert not lever.applies
+    assert lever.why == "does not apply: the model has sliding layers, whose cache is already bounded"

@@ -177,3 +177,20 @@ def test_a_diagram_does_not_depend_on_the_style_left_in_rcparams():
     clean = diagrams.svg_bytes(diagram.build())
     with mpl.rc_context({"font.size": 20, "legend.fontsize": 14, "lines.linewidth": 3}):
         assert diagrams.svg_bytes(diagram.build()) == clean
+
+
+def test_kept_tokens_marks_the_first_block_that_lost_a_token():
+    full = list(range(64))
+    streaming = [0, 1, 2, 3, *range(36, 64)]
+    # Two whole blocks of 16, then a gap at position 40
+    prefix = [*range(32), *range(41, 64)]
+    fig = diagrams.kept_tokens([("full", full), ("sinks", streaming), ("prefix", prefix)], 64, 16)
+    labels = by_gid(fig)
+    assert labels["row-0"] == "full: 64 kept, every block whole"
+    assert labels["row-1"] == "sinks: 32 kept, 0 of 4 blocks whole"
+    assert labels["row-2"] == "prefix: 55 kept, 2 of 4 blocks whole"
+    assert all(t.get_fontsize() >= diagrams.MIN_FONT_PT for t in texts(fig))
+    with pytest.raises(ValueError, match="distinct and below 64"):
+        diagrams.kept_tokens([("bad", [0, 64])], 64, 16)
+    with pytest.raises(ValueError, match="1 to 16 blocks"):
+        diagrams.kept_tokens([("long", full)], 512, 16)

@@ -34,8 +34,16 @@ def format_bytes(n: float, digits: int = 3) -> str:
     if n < 0:
         return "-" + format_bytes(-n, digits)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if unit == "B" and n < 1024:
+            return f"{int(n)} B"
         if n < 1024 or unit == "TiB":
-            return f"{n:.{digits}g} {unit}" if unit != "B" else f"{int(n)} B"
+            text = f"{n:.{digits}g}"
+            # 1000-1023 of a unit: `g` would switch to '1.01e+03'; whole units read better
+            if "e" in text:
+                text = f"{n:.0f}"
+            # 1023.6 KiB rounds to 1024 KiB, which is 1 MiB
+            if text != "1024" or unit == "TiB":
+                return f"{text} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib as mpl
+import torch
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
@@ -30,6 +31,7 @@ from kvlab.book import plot
 from kvlab.costs.budget import MemoryBudget
 from kvlab.engine.block_manager import BlockManager
 from kvlab.engine.request import Request
+from kvlab.experiments.evict import reusable_prefix_blocks
 from kvlab.planning.simulate import SimulationResult
 from kvlab.specs.layers import FullAttention
 from kvlab.specs.shape import ModelShape
@@ -407,6 +409,42 @@ def hash_chain(manager: BlockManager, admissions: Sequence[Admission]) -> Figure
         gid="divergence",
         va="bottom",
     )
+    return fig
+
+
+# --- 4b. Eviction and the hash chain ---------------------------------------------------------------------------
+
+
+def kept_tokens(rows: Sequence[tuple[str, Sequence[int]]], prompt_tokens: int, block_size: int) -> Figure:
+    """Which of a prompt's tokens each cache kept (one row per cache or KV head: its kept positions, in
+    order), cut into blocks, with the first block that lost a token: the prefix hash chain ends there."""
+    if not 1 <= len(rows) <= 8:
+        raise ValueError(f"the kept-tokens diagram draws 1 to 8 rows, got {len(rows)}")
+    blocks = -(-prompt_tokens // block_size)
+    if not 1 <= blocks <= 16:
+        raise ValueError(f"the kept-tokens diagram draws 1 to 16 blocks, got {blocks}")
+    height = 1.2 + 0.62 * len(rows)
+    fig, ax = _canvas(height)
+    title = f"tokens kept of a {prompt_tokens}-token prompt (blocks of {block_size})"
+    _text(ax, 0.1, height - 0.25, title, size=TITLE_PT, weight="bold")
+    x0, x1 = 0.1, WIDTH_INCHES - 0.1
+    cell = (x1 - x0) / prompt_tokens
+    for r, (name, positions) in enumerate(rows):
+        y = height - 0.95 - 0.62 * r
+        kept = set(positions)
+        if len(kept) != len(positions) or not kept <= set(range(prompt_tokens)):
+            raise ValueError(f"{name}: positions must be distinct and below {prompt_tokens}")
+        broken = reusable_prefix_blocks(torch.tensor(sorted(kept)), block_size)
+        whole = f"{broken} of {blocks} blocks whole" if broken < blocks else "every block whole"
+        _text(ax, x0, y + 0.2, f"{name}: {len(kept)} kept, {whole}", gid=f"row-{r}")
+        for t in sorted(kept):
+            ax.add_patch(Rectangle((x0 + t * cell, y - 0.17), cell, 0.22, facecolor=plot.PREDICTED, lw=0))
+        for b in range(blocks):
+            _box(ax, x0 + b * block_size * cell, y - 0.17, block_size * cell, 0.22, "none")
+        if broken < blocks:
+            x = x0 + broken * block_size * cell
+            ax.plot([x, x], [y - 0.24, y + 0.09], color=plot.MEASURED, lw=2)
+    _text(ax, x0, 0.22, "dark: kept; red bar: first block with a dropped token, where the chain ends")
     return fig
 
 

@@ -13,6 +13,7 @@ function of a `Situation` (the deployment, its budget and the load it keeps in f
 7. batching of short requests (does `max_num_seqs` cap the batch below the load?)       -- chapters 4, 8
 8. true long-context capacity (does one long request take a large share of the pool?)   -- chapters 6, 12
 9. multi-GPU topology (do the weights fit one GPU at all? what TP would?)               -- chapter 13
+10. token eviction (would keeping a share of each request's tokens make the load fit?)  -- chapter 16
 
 The first lever that applies is the one to use first. Every memory figure comes from `kvlab.costs.budget.memory_budget`
 (the one KV budget) and `kvlab.specs.sizing`; the concurrency an arrival rate keeps in flight comes from Little's law
@@ -55,6 +56,11 @@ PREFIX_SHARE = 0.25  # a shared prefix at least this share of the mean prompt is
 FRAGMENTATION_SHARE = 0.10  # block rounding above this share of the resident tokens
 LONG_REQUEST_SHARE = 0.25  # one longest request taking at least this share of the pool
 GQA_HEADS = 8  # the KV heads of the GQA alternative an MHA model is compared with (Llama-3's choice)
+# The keep ratio lever 10 prices: half of each request's tokens, the larger ratio chapter 16 measures
+EVICTION_KEEP_RATIO = 0.5
+# Neither engine ships token eviction; the open proposals a reader can follow
+EVICTION_VLLM = "no flag: vLLM 0.33 does not evict tokens (proposal: github.com/vllm-project/vllm/issues/5751)"
+EVICTION_SGLANG = "no flag: SGLang does not evict tokens (proposal: github.com/sgl-project/sglang/issues/12607)"
 
 
 @dataclass(frozen=True)
@@ -486,6 +492,39 @@ def topology(s: Situation) -> Lever:
     )
 
 
+def token_eviction(s: Situation) -> Lever:
+    """10. Would keeping a share of each request's tokens (H2O, SnapKV) fit the load? It costs accuracy, so it
+    comes after every lever that keeps it, and it applies only where the cache binds: the resident tokens exceed
+    the pool, or one longest request takes a large share of it."""
+    w, pool = s.workload, s.pool
+    mean = max(1, math.ceil(w.mean_resident))
+    kept = sizing.evicted_context(mean, EVICTION_KEEP_RATIO)
+    fits, fits_kept = pool // mean, pool // kept
+    longest = w.longest_input + w.longest_output
+    binds = s.resident > pool or longest >= LONG_REQUEST_SHARE * pool
+    bounded = sizing.unevictable_kinds(s.spec)
+    applies = s.memory.fits and binds and not bounded
+    if bounded:
+        why = f"does not apply: the model has {', '.join(bounded)} layers, whose cache is already bounded"
+    elif applies:
+        why = (
+            f"keeping {EVICTION_KEEP_RATIO:g} of each request's tokens would hold {fits_kept:,} mean requests "
+            f"instead of {fits:,}, at an accuracy cost to measure on your task (chapter 16)"
+        )
+    else:
+        why = "the cache does not bind: nothing to trade accuracy for"
+    return Lever(
+        step=10,
+        name="token eviction",
+        applies=applies,
+        why=why,
+        chapters=("16_fewer_tokens/index",),
+        vllm=EVICTION_VLLM,
+        sglang=EVICTION_SGLANG,
+        numbers={"fits": fits, "fits_kept": fits_kept, "keep_ratio": EVICTION_KEEP_RATIO},
+    )
+
+
 def _smallest_fitting_tp(d: Deployment) -> int | None:
     spec = shape(d.model).spec
     for tp in (2**k for k in range(7)):
@@ -509,6 +548,7 @@ LEVERS: tuple[Callable[[Situation], Lever], ...] = (
     batching,
     long_context,
     topology,
+    token_eviction,
 )
 
 

@@ -184,9 +184,15 @@ def evicted_context(
     return max(1, math.ceil(keep_ratio * context - 1e-9))
 
 
+def unevictable_kinds(spec: ArchSpec) -> list[str]:
+    """The layer kinds of `spec` whose cache is bounded already (sliding windows, recurrent state), so that
+    eviction, sized for layers that keep every token (full attention, MLA), does not apply to them."""
+    return sorted(set(spec.kinds) - {"full", "mla", "none"})
+
+
 def check_evictable(spec: ArchSpec) -> None:
     """Eviction applies to layers that keep every token (full attention, MLA): refuse windows and state."""
-    others = sorted(set(spec.kinds) - {"full", "mla", "none"})
+    others = unevictable_kinds(spec)
     if others:
         raise UnsupportedConfigError(
             f"{spec.name}: eviction is sized for full-attention and MLA layers only; it has {', '.join(others)}"

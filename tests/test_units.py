@@ -1,0 +1,20 @@
+"""kvlab.units: the formats every page and CLI line prints numbers in."""
+
+from kvlab.units import format_bytes
+
+
+def test_format_bytes_keeps_significant_digits():
+    assert format_bytes(0) == "0 B"
+    assert format_bytes(1023) == "1023 B"
+    assert format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(-1536) == "-1.5 KiB"
+    assert format_bytes(3 * 2**30) == "3 GiB"
+
+
+def test_format_bytes_never_prints_an_exponent_below_a_tebibyte():
+    # 1,032,192 B is 1008 KiB: `.3g` alone printed '1.01e+03 KiB' in `kvlab size`'s block rounding line
+    assert format_bytes(1_032_192) == "1008 KiB"
+    assert format_bytes(1023.6 * 2**20) == "1 GiB"
+    for n in (999.6, 1000, 1012.5, 1023.4):
+        for scale in (2**10, 2**20, 2**30):
+            assert "e" not in format_bytes(n * scale), n * scale
