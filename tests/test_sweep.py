@@ -1,11 +1,14 @@
-"""`kvlab sweep`: a small real sweep of chapter 1 (CSV, resume, a failing point), bad input, interrupts."""
+"""`kvlab sweep`: a small real sweep of chapter 1 (CSV, resume, a failing point), bad input, interrupts, and
+`--jobs N` (the same rows as one job, resume, interrupts, a GPU per worker)."""
 
 from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,6 +87,16 @@ def test_real_sweep_csv_resume_and_a_failing_point(tmp_path, capsys):
         (["--grid", "kv_heads=1", "-p", "seed"], "-p expects name=value"),
         (["--grid", "kv_heads=1", "--x", "layers"], "--x 'layers' is not a grid axis"),
         (["--grid", "kv_heads=1", "--plot", "nope"], "the lab glues no scalar 'nope'; it glues: ch1_layers"),
+        (["--grid", "kv_heads=1", "--jobs", "0"], "--jobs must be at least 1, got 0"),
+        (["--grid", "kv_heads=1", "--jobs", "-2"], "--jobs must be at least 1, got -2"),
+        (
+            ["--grid", "kv_heads=1", "--jobs", "1.5"],
+            "--jobs takes a whole number of points to run at once, got '1.5'",
+        ),
+        (
+            ["--grid", "kv_heads=1", "--jobs", "all"],
+            "--jobs takes a whole number of points to run at once, got 'all'",
+        ),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, args, message):
@@ -210,3 +223,180 @@ def test_interrupt_loses_no_finished_point_and_failures_run_again(tmp_path, monk
     assert plotted == tmp_path / "y.png" and plotted.stat().st_size > 0
     with pytest.raises(sweep.SweepError, match="glued no scalar 'z'"):
         sweep.plot(plan, second.rows, "z")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --jobs N: several points at once, in worker processes.
+
+# Workers are forked, so a stand-in for run_point set by monkeypatch reaches them; elsewhere they are spawned.
+forked = pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
+
+
+def tiny_lab(folder: Path) -> Path:
+    """A lab of two cells that runs in a kernel's start-up time: it glues 10 n and the kernel's
+    CUDA_VISIBLE_DEVICES ('unset' when it has none), and fails at n = 3."""
+    cells = [
+        ("n = 1", ["parameters"]),
+        (
+            "import os\n"
+            "from myst_nb import glue\n"
+            "assert n != 3, 'three fails'\n"
+            "glue('y', 10 * n, display=False)\n"
+            "glue('cuda', os.environ.get('CUDA_VISIBLE_DEVICES', 'unset'), display=False)",
+            [],
+        ),
+    ]
+    nb = {
+        "cells": [
+            {
+                "id": f"cell-{i}",
+                "cell_type": "code",
+                "execution_count": None,
+                "metadata": {"tags": tags},
+                "outputs": [],
+                "source": src,
+            }
+            for i, (src, tags) in enumerate(cells)
+        ],
+        "metadata": json.loads(LAB1.read_text())["metadata"],  # the kernel the book's labs run in
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+    path = folder / "tiny.ipynb"
+    path.write_text(json.dumps(nb))
+    return path
+
+
+# Each point starts a Jupyter kernel: seconds each.
+@pytest.mark.slow
+def test_jobs_2_gives_the_rows_of_jobs_1_and_resumes(tmp_path, capsys, monkeypatch):
+    lab = tiny_lab(tmp_path)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(sweep, "gpu_count", lambda: 2)  # a 2-GPU box, as far as the parent can tell
+    argv = ["sweep", str(lab), "--grid", "n=1,2,3", "--no-progress"]
+    assert cli.main([*argv, "--out", str(tmp_path / "one")]) == 1
+    assert cli.main([*argv, "--out", str(tmp_path / "two"), "--jobs", "2"]) == 1
+    printed = capsys.readouterr().out
+    assert printed.count("3 points: 3 run, 0 already done, 1 failed") == 2
+    one, two = read_csv(tmp_path / "one/results.csv"), read_csv(tmp_path / "two/results.csv")
+    # The kernel sees the variable its worker set: slot 0 runs n=1, slot 1 n=2, n=3 whichever frees first.
+    assert [r.pop("cuda") for r in one] == ["unset", "unset", ""]
+    cuda = [r.pop("cuda") for r in two]
+    assert cuda[:2] == ["0", "1"] and cuda[2] == ""  # n=3 failed before it glued
+    assert one == two
+    assert [(r["n"], r["status"], r["y"]) for r in two] == [
+        ("1", "ok", "10"),
+        ("2", "ok", "20"),
+        ("3", "failed", ""),
+    ]
+    assert "AssertionError: three fails" in two[2]["error"]
+
+    # Resume: the finished points are skipped, the failed one and the new one run.
+    before = (tmp_path / "two/runs/n=1.json").read_text()
+    assert (
+        cli.main(
+            [
+                "sweep",
+                str(lab),
+                "--grid",
+                "n=1,2,3,4",
+                "--no-progress",
+                "--out",
+                str(tmp_path / "two"),
+                "--jobs",
+                "2",
+            ]
+        )
+        == 1
+    )
+    assert "4 points: 2 run, 2 already done, 1 failed" in capsys.readouterr().out
+    assert (tmp_path / "two/runs/n=1.json").read_text() == before
+    rows = read_csv(tmp_path / "two/results.csv")
+    assert [(r["n"], r["status"], r["y"]) for r in rows] == [
+        ("1", "ok", "10"),
+        ("2", "ok", "20"),
+        ("3", "failed", ""),
+        ("4", "ok", "40"),
+    ]
+
+
+def test_gpu_slots():
+    assert sweep.worker_devices(4, 2, {}) == ["0", "1", "0", "1"]
+    assert sweep.worker_devices(2, 8, {}) == ["0", "1"]
+    # the ids the user made visible, in their order
+    assert sweep.worker_devices(3, 2, {"CUDA_VISIBLE_DEVICES": "6,7"}) == ["6", "7", "6"]
+    # no GPU: an empty variable where it is unset, the user's value (None: untouched) where it is set
+    assert sweep.worker_devices(2, 0, {}) == ["", ""]
+    assert sweep.worker_devices(2, 0, {"CUDA_VISIBLE_DEVICES": "3"}) == [None, None]
+    assert sweep.worker_devices(2, 0, {"CUDA_VISIBLE_DEVICES": ""}) == [None, None]
+
+
+def _env_point(s, point):
+    """run_point's stand-in: records the CUDA_VISIBLE_DEVICES its worker runs under."""
+    cuda = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+    return {"point": point, "parameters": point, "status": "ok", "error": "", "values": {"cuda": cuda}}
+
+
+@forked
+@pytest.mark.parametrize(
+    "gpus, user, expected, shared",
+    [
+        (2, None, ["0", "1", "0", "1"], "kvlab: 4 jobs on 2 GPUs: several jobs share a GPU\n"),
+        (4, None, ["0", "1", "2", "3"], ""),
+        (0, None, ["", "", "", ""], ""),
+        (0, "5", ["5", "5", "5", "5"], ""),
+    ],
+)
+def test_each_worker_runs_under_its_gpu(tmp_path, capsys, monkeypatch, gpus, user, expected, shared):
+    monkeypatch.setattr(sweep, "run_point", _env_point)
+    monkeypatch.setattr(sweep, "gpu_count", lambda: gpus)
+    if user is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", user)
+    outcome = sweep.run_sweep(sweep.Sweep(LAB1, {"n": [1, 2, 3, 4]}, out=tmp_path), progress=False, jobs=4)
+    assert [r["cuda"] for r in outcome.rows] == expected  # all four start at once, slots in grid order
+    assert capsys.readouterr().out == shared
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == user  # the parent's own environment is untouched
+
+
+@forked
+def test_jobs_interrupt_keeps_finished_points_and_starts_no_more(tmp_path, monkeypatch):
+    def fake(s, point):  # in a worker: calls are counted in files. n=2 is interrupted, n=3 fails, both once
+        n = point["n"]
+        with (tmp_path / f"calls-{n}").open("a") as calls:
+            calls.write("x")
+        first = (tmp_path / f"calls-{n}").read_text() == "x"
+        if n == 1 and first:
+            while not (tmp_path / "calls-2").exists():
+                time.sleep(0.01)
+            time.sleep(0.5)  # the interrupt reaches the parent first, and n=1, still in flight, is kept
+        if n == 2 and first:
+            raise KeyboardInterrupt
+        ok = not (n == 3 and first)
+        values = {"y": 10 * n} if ok else {}
+        status, error = ("ok", "") if ok else ("failed", "RuntimeError: boom")
+        return {"point": point, "parameters": point, "status": status, "error": error, "values": values}
+
+    monkeypatch.setattr(sweep, "run_point", fake)
+    monkeypatch.setattr(sweep, "gpu_count", lambda: 0)
+    plan = sweep.Sweep(LAB1, {"n": [1, 2, 3, 4]}, out=tmp_path / "out")
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run_sweep(plan, progress=False, jobs=2)
+    assert [(r["n"], r["y"]) for r in read_csv(tmp_path / "out/results.csv")] == [("1", "10")]
+    assert (
+        not (tmp_path / "calls-3").exists() and not (tmp_path / "calls-4").exists()
+    )  # pending: never started
+
+    first = sweep.run_sweep(plan, progress=False, jobs=2)
+    assert (first.ran, first.skipped, first.failed) == (3, 1, 1)
+    second = sweep.run_sweep(plan, progress=False, jobs=3)  # only the failed point runs again
+    assert (second.ran, second.skipped, second.failed) == (1, 3, 0)
+    assert [len((tmp_path / f"calls-{n}").read_text()) for n in (1, 2, 3, 4)] == [1, 2, 2, 1]
+    rows = read_csv(tmp_path / "out/results.csv")
+    assert [(r["n"], r["status"], r["y"]) for r in rows] == [
+        ("1", "ok", "10"),
+        ("2", "ok", "20"),
+        ("3", "ok", "30"),
+        ("4", "ok", "40"),
+    ]

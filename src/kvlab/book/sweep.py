@@ -2,13 +2,16 @@
 
 Each grid point runs the lab once with papermill and leaves two files under DIR/runs/: the executed notebook and
 a JSON record (its parameters, status, and the scalars the lab glued). The record is written last, atomically,
-so its presence means the point is done: a rerun skips it, and an interrupt loses at most the point in flight.
-DIR/results.csv is rebuilt from the records after every point, one row per grid point.
+so its presence means the point is done: a rerun skips it, and an interrupt loses at most the points in flight.
+DIR/results.csv is rebuilt from the records after every point, one row per grid point. `--jobs N` runs up to N
+points at once, each in a worker process with one GPU of its own where there are GPUs; the parent alone writes
+the records and the CSV.
 """
 
 from __future__ import annotations
 
 import ast
+import collections
 import contextlib
 import csv
 import hashlib
@@ -18,10 +21,15 @@ import itertools
 import json
 import logging
 import math
+import multiprocessing
 import os
 import re
+import signal
+import subprocess
+import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -262,8 +270,10 @@ def run_point(sweep: Sweep, point: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-def run_sweep(sweep: Sweep, *, progress: bool = True) -> Outcome:
-    """Run every grid point not already done; rewrite the CSV after each, so an interrupt loses nothing."""
+def run_sweep(sweep: Sweep, *, progress: bool = True, jobs: int = 1) -> Outcome:
+    """Run every grid point not already done, up to `jobs` at once; rewrite the CSV after each, so an interrupt
+    loses nothing finished."""
+    jobs = parse_jobs(jobs)
     tqdm = _require("tqdm").tqdm
     sweep.runs.mkdir(parents=True, exist_ok=True)
     points = sweep.points()
@@ -276,21 +286,156 @@ def run_sweep(sweep: Sweep, *, progress: bool = True) -> Outcome:
     todo = [i for i, record in enumerate(records) if record is None or record.get("status") != "ok"]
     ran = failed = 0
     bar = tqdm(total=len(points), initial=len(points) - len(todo), unit="point", disable=not progress)
+
+    def finish(i: int, record: dict[str, Any]) -> None:
+        nonlocal ran, failed
+        _atomic_write(sweep.runs / f"{point_name(points[i])}.json", json.dumps(record, indent=1))
+        records[i] = record
+        ran += 1
+        failed += record["status"] != "ok"
+        write_csv(sweep, records)
+        bar.update()
+
     try:
-        for i in todo:
-            bar.set_postfix_str(point_name(points[i]))
-            record = _jsonable(run_point(sweep, points[i]))
-            _atomic_write(sweep.runs / f"{point_name(points[i])}.json", json.dumps(record, indent=1))
-            records[i] = record
-            ran += 1
-            failed += record["status"] != "ok"
-            write_csv(sweep, records)
-            bar.update()
+        if jobs == 1:
+            for i in todo:
+                bar.set_postfix_str(point_name(points[i]))
+                finish(i, _jsonable(run_point(sweep, points[i])))
+        elif todo:
+            _run_parallel(sweep, [(i, points[i]) for i in todo], jobs, finish, bar, progress)
     finally:
         bar.close()
         write_csv(sweep, records)
     rows = [_row(r) for r in records if r is not None]
     return Outcome(rows, ran, len(points) - len(todo), failed, sweep.out / RESULTS)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Several points at once (`--jobs N`): worker processes, one GPU each.
+
+
+def parse_jobs(value: str | int) -> int:
+    """`--jobs N`: how many grid points run at once, a whole number of at least 1."""
+    try:
+        jobs = int(value)
+    except (TypeError, ValueError):
+        raise SweepError(f"--jobs takes a whole number of points to run at once, got {value!r}") from None
+    if jobs < 1:
+        raise SweepError(f"--jobs must be at least 1, got {jobs}")
+    return jobs
+
+
+def gpu_count() -> int:
+    """The GPUs this process may use: torch's count where torch imports, else `nvidia-smi -L`'s, else 0."""
+    try:
+        import torch
+    except ImportError:
+        pass
+    else:
+        # NVML's count where it works, so the parent never initialises CUDA before forking its workers
+        return torch.cuda.device_count()
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    count = sum(line.startswith("GPU ") for line in listed.stdout.splitlines())
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    # nvidia-smi lists every GPU in the machine; CUDA, and so the lab, sees only those the variable names
+    return count if visible is None else min(count, len(_device_ids(visible)))
+
+
+def worker_devices(workers: int, n_gpus: int, environ: Mapping[str, str]) -> list[str | None]:
+    """The CUDA_VISIBLE_DEVICES of each worker slot; None leaves the variable as the user has it.
+
+    With GPUs, slot i gets GPU i mod n_gpus: the id the user's CUDA_VISIBLE_DEVICES gives it where that is set
+    (`CUDA_VISIBLE_DEVICES=2,3 kvlab sweep --jobs 2` runs on GPUs 2 and 3), else its index. Without GPUs, an
+    empty value where the variable is unset, so no lab looks for one; a value the user set is left alone.
+    """
+    if n_gpus > 0:
+        ids = _device_ids(environ.get("CUDA_VISIBLE_DEVICES", ""))[:n_gpus] or [str(i) for i in range(n_gpus)]
+        return [ids[slot % len(ids)] for slot in range(workers)]
+    return [None if "CUDA_VISIBLE_DEVICES" in environ else ""] * workers
+
+
+def _device_ids(visible: str) -> list[str]:
+    return [part.strip() for part in visible.split(",") if part.strip()]
+
+
+def _run_parallel(
+    sweep: Sweep,
+    todo: list[tuple[int, dict[str, Any]]],
+    jobs: int,
+    finish: Callable[[int, dict[str, Any]], None],
+    bar: Any,
+    progress: bool,
+) -> None:
+    """Run `todo` (grid index, point) in up to `jobs` worker processes, calling `finish` here, in the parent, for
+    each point as it ends: records and the CSV have one writer."""
+    workers = min(jobs, len(todo))
+    n_gpus = gpu_count()
+    devices = worker_devices(workers, n_gpus, os.environ)
+    if workers > n_gpus > 0:
+        bar.write(f"kvlab: {workers} jobs on {n_gpus} GPU{'s' * (n_gpus > 1)}: several jobs share a GPU")
+    waiting, points = collections.deque(todo), dict(todo)
+    running: dict[Future[dict[str, Any]], tuple[int, int]] = {}  # future: its grid index, its worker slot
+    free = list(range(workers))
+    # fork: a worker starts without importing kvlab again, the same on every Python (3.14 defaults to
+    # forkserver); macOS's system libraries are not fork-safe, so there it spawns
+    context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_ignore_interrupts)
+    try:
+        while waiting or running:
+            # A point starts only when a slot is free, so no two points in flight share a slot's GPU.
+            while waiting and free:
+                slot = free.pop(0)
+                i, point = waiting.popleft()
+                running[pool.submit(_run_in_slot, sweep, point, devices[slot])] = (i, slot)
+            bar.set_postfix_str(f"{len(running)} running")
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            interrupted: BaseException | None = None
+            for future in sorted(done, key=lambda f: running[f][0]):
+                i, slot = running.pop(future)
+                free.append(slot)
+                error = future.exception()
+                if error is not None:
+                    # run_point records a lab's failure, so this is an interrupt or a worker that died
+                    interrupted = interrupted or error
+                    continue
+                record = future.result()
+                bar.set_postfix_str(f"{len(running)} running", refresh=False)
+                finish(i, record)
+                # One line per point, above the bar: with several in flight, the bar's postfix cannot name them.
+                if progress:
+                    bar.write(f"{record['status']}: {point_name(points[i])}")
+            if interrupted is not None:
+                raise interrupted
+    except BaseException:
+        # Start nothing more. Ctrl-C has reached the points in flight as well, so they end soon; keep any that
+        # finished all the same, as a one-point-at-a-time sweep keeps every point it finished.
+        pool.shutdown(wait=True, cancel_futures=True)
+        for future, (i, _) in sorted(running.items(), key=lambda item: item[1][0]):
+            if not future.cancelled() and future.exception() is None:
+                finish(i, future.result())
+        raise
+    pool.shutdown()
+
+
+def _ignore_interrupts() -> None:
+    """A worker between points ignores Ctrl-C, which the parent handles; otherwise it would die with a traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _run_in_slot(sweep: Sweep, point: dict[str, Any], device: str | None) -> dict[str, Any]:
+    """`run_point` in a worker, under its slot's GPU: papermill starts the kernel with this process's environment
+    (jupyter_client copies os.environ when it launches one), so setting the variable here is enough."""
+    if device is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = device
+    # Ctrl-C stops the point in flight, as it does one point at a time; run_point lets KeyboardInterrupt through.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return _jsonable(run_point(sweep, point))
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def write_csv(sweep: Sweep, records: list[dict[str, Any] | None]) -> Path:
@@ -377,10 +522,17 @@ def add_arguments(parser) -> None:
     parser.add_argument("--x", metavar="AXIS", help="the plot's x axis (default: the first --grid)")
     parser.add_argument("--kernel", help="Jupyter kernel (default: the one the notebook names)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--jobs",
+        default="1",
+        metavar="N",
+        help="run up to N grid points at once, each on one GPU of its own where there are GPUs (default 1)",
+    )
 
 
 def main(args) -> int:
     """Run `kvlab sweep`; bad input raises SweepError (exit 2), failed points give exit 1."""
+    jobs = parse_jobs(args.jobs)
     sweep = build(args.notebook, args.grid, args.fixed, args.out, kernel=args.kernel)
     if importlib.util.find_spec("ipykernel") is None and args.kernel is None:
         raise SweepError(INSTALL_HINT)  # otherwise every point would fail on a missing kernel
@@ -392,7 +544,7 @@ def main(args) -> int:
     if args.plot in stored and as_number(stored[args.plot]) is None:
         raise SweepError(f"--plot {args.plot!r} is not a number (the lab glues {stored[args.plot]!r})")
     try:
-        outcome = run_sweep(sweep, progress=not args.no_progress)
+        outcome = run_sweep(sweep, progress=not args.no_progress, jobs=jobs)
     except KeyboardInterrupt:
         print(f"kvlab: interrupted; finished points are in {sweep.out / RESULTS}; rerun to resume")
         return 130

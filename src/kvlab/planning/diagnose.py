@@ -59,8 +59,12 @@ GQA_HEADS = 8  # the KV heads of the GQA alternative an MHA model is compared wi
 # The keep ratio lever 10 prices: half of each request's tokens, the larger ratio chapter 16 measures
 EVICTION_KEEP_RATIO = 0.5
 # Neither engine ships token eviction; the open proposals a reader can follow
-EVICTION_VLLM = "no flag: vLLM 0.33 does not evict tokens (proposal: github.com/vllm-project/vllm/issues/5751)"
-EVICTION_SGLANG = "no flag: SGLang does not evict tokens (proposal: github.com/sgl-project/sglang/issues/12607)"
+EVICTION_VLLM = (
+    "no flag: vLLM 0.33 does not evict tokens (proposal: github.com/vllm-project/vllm/issues/5751)"
+)
+EVICTION_SGLANG = (
+    "no flag: SGLang does not evict tokens (proposal: github.com/sgl-project/sglang/issues/12607)"
+)
 
 
 @dataclass(frozen=True)
