@@ -437,6 +437,11 @@ def test_links_and_bad_input():
     # the PCIe rates are the spec table's, written once
     assert link("PCIe Gen5 x16").bytes_per_s == hardware.PCIE_X16_BYTES_PER_S[5]
     assert all(link.source for link in LINKS.values())
+    # Cluster links, one direction: NVLink is half the datasheets' both-ways total, from the one spec table
+    assert link("NVLink 4 (H100 SXM)").bytes_per_s == 450e9
+    assert link("NVLink 5 (B200)").bytes_per_s == hardware.get("B200").interconnect_bytes_per_s / 2 == 900e9
+    assert link("800 Gb InfiniBand XDR").bytes_per_s == 2 * link("400 Gb InfiniBand NDR").bytes_per_s == 100e9
+    assert link("400 Gb RoCE").bytes_per_s == 400e9 / 8
     with pytest.raises(ValueError, match="unknown link"):
         link("carrier pigeon")
     with pytest.raises(ValueError, match="positive"):

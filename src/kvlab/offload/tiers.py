@@ -92,6 +92,34 @@ LINKS: dict[str, Link] = {
             "(https://www.nvidia.com/en-us/networking/ethernet/connectx-7/)",
             "IB NDR",
         ),
+        Link(
+            "800 Gb InfiniBand XDR",
+            100 * GB,
+            "NVIDIA ConnectX-8 SuperNIC: 800 Gb/s XDR InfiniBand = 100 GB/s per port "
+            "(https://www.nvidia.com/en-us/networking/products/ethernet/supernic/)",
+            "IB XDR",
+        ),
+        Link(
+            "400 Gb RoCE",
+            50 * GB,
+            "IEEE 802.3bs: 400 Gb/s Ethernet = 50 GB/s line rate, which RDMA over Converged Ethernet (RoCE v2) "
+            "carries; NVIDIA ConnectX-7 offers 400 GbE ports (https://www.nvidia.com/en-us/networking/ethernet/connectx-7/)",
+            "RoCE 400",
+        ),
+        Link(
+            "NVLink 4 (H100 SXM)",
+            hardware.gpu_link_bytes_per_s(hardware.get("H100-SXM")),
+            "NVIDIA H100 Tensor Core GPU Architecture whitepaper: 18 NVLink 4 links, 900 GB/s in both directions "
+            "together, 450 GB/s each way (kvlab.specs.hardware)",
+            "NVLink 4",
+        ),
+        Link(
+            "NVLink 5 (B200)",
+            hardware.gpu_link_bytes_per_s(hardware.get("B200")),
+            "NVIDIA HGX platform page: fifth-generation NVLink, 1.8 TB/s per GPU in both directions together, "
+            "900 GB/s each way (kvlab.specs.hardware)",
+            "NVLink 5",
+        ),
     ]
 }
 
