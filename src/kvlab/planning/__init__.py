@@ -4,4 +4,6 @@
 - `plan`: capacity plans against latency targets, `kvlab plan` (chapter 14).
 - `diagnose`: from a workload to the first KV-cache lever that applies, `kvlab diagnose` (chapter 15).
 - `vllm_log`, `explain_vllm`: a vLLM start-up log read, and its budget explained, `kvlab explain-vllm` (chapter 5).
+- `router`: requests routed over engine replicas by four policies, and the prefix-cache hits each gets, predicted
+  exactly (the cluster chapter to come).
 """
