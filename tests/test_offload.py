@@ -45,6 +45,7 @@ from kvlab.offload.reload import (
 )
 from kvlab.offload.saved_kv import load_kv, save_kv
 from kvlab.offload.tiers import (
+    CLUSTER_LINKS,
     LINKS,
     MAX_SCRATCH_BYTES,
     compute_for,
@@ -437,6 +438,9 @@ def test_links_and_bad_input():
     # the PCIe rates are the spec table's, written once
     assert link("PCIe Gen5 x16").bytes_per_s == hardware.PCIE_X16_BYTES_PER_S[5]
     assert all(link.source for link in LINKS.values())
+    assert all(link.source for link in CLUSTER_LINKS.values())
+    # chapter 12's tables list the offload tiers only
+    assert not set(LINKS) & set(CLUSTER_LINKS)
     # Cluster links, one direction: NVLink is half the datasheets' both-ways total, from the one spec table
     assert link("NVLink 4 (H100 SXM)").bytes_per_s == 450e9
     assert link("NVLink 5 (B200)").bytes_per_s == hardware.get("B200").interconnect_bytes_per_s / 2 == 900e9

@@ -1,6 +1,7 @@
 """Memory tiers beyond GPU memory, chapter *Beyond HBM* (book/12_beyond_hbm): one module per question it asks.
 
-- `tiers`: what each tier delivers. The links KV bytes travel over, at their datasheet rates (`LINKS`), and every
+- `tiers`: what each tier delivers. The links KV bytes travel over, at their datasheet rates (`LINKS`; the fabrics between
+  GPUs and nodes in `CLUSTER_LINKS`), and every
   tier of this machine measured (`measure_tiers`: GPU memory and the host link through `kvlab.specs.hardware`'s probes,
   RAM, `O_DIRECT` disk, the page cache). The lab's first table and the links table.
 - `direct_io`: files read and written past the page cache (`O_DIRECT`, aligned buffers, the polled Linux-AIO

@@ -1,7 +1,8 @@
 """Memory tiers beyond GPU memory: the links KV bytes travel over, from datasheets, and what each tier delivers here.
 
-`LINKS` holds each path's datasheet or standard rate (PCIe from `kvlab.specs.hardware`'s table, NVMe drives, networks);
-`link` finds one by name. `measure_tiers` measures every tier this machine has: GPU memory (a device-to-device
+`LINKS` holds each offload path's datasheet or standard rate (PCIe from `kvlab.specs.hardware`'s table, NVMe drives,
+networks); `CLUSTER_LINKS` holds the fabrics between GPUs and nodes (NVLink, InfiniBand XDR, RoCE); `link` finds one
+by name. `measure_tiers` measures every tier this machine has: GPU memory (a device-to-device
 copy) and the host link in both directions from pinned and from pageable host memory (GPU only; both measured by
 `kvlab.specs.hardware`'s probes), a RAM copy, and reads from local disk. Every figure is payload bytes over seconds,
 best of `repeat`, with every sample kept so that a lab can derive its tolerance from the spread
@@ -92,6 +93,14 @@ LINKS: dict[str, Link] = {
             "(https://www.nvidia.com/en-us/networking/ethernet/connectx-7/)",
             "IB NDR",
         ),
+    ]
+}
+
+# The fabrics between GPUs and between nodes, which a disaggregated deployment moves KV over from a prefill
+# GPU to a decode GPU; kept apart from LINKS, whose entries are tiers a single server offloads to.
+CLUSTER_LINKS: dict[str, Link] = {
+    link.name: link
+    for link in [
         Link(
             "800 Gb InfiniBand XDR",
             100 * GB,
@@ -125,13 +134,14 @@ LINKS: dict[str, Link] = {
 
 
 def link(name: str | Link) -> Link:
-    """A `Link` by name (case-insensitive); an unknown name lists the known ones."""
+    """A `Link` of `LINKS` or `CLUSTER_LINKS` by name (case-insensitive); an unknown name lists the known ones."""
     if isinstance(name, Link):
         return name
-    for key, value in LINKS.items():
+    known = {**LINKS, **CLUSTER_LINKS}
+    for key, value in known.items():
         if key.lower() == str(name).lower():
             return value
-    raise ValueError(f"unknown link {name!r}; known: {', '.join(LINKS)}")
+    raise ValueError(f"unknown link {name!r}; known: {', '.join(known)}")
 
 
 # Bandwidth of each tier
