@@ -176,7 +176,7 @@ LAYERS = [
     {"kvlab.models"},
     {"kvlab.costs"},
     {"kvlab.engine"},
-    {"kvlab.offload"},
+    {"kvlab.offload", "kvlab.disagg"},
     {"kvlab.planning"},
     {"kvlab.experiments"},
     {"kvlab.book"},

@@ -369,11 +369,13 @@ class BlockManager:
         """A waiting sequence's cached tables, the tokens it would compute now, and the free blocks it needs."""
         tables = self.cached_tables(seq)
         cached = len(tables[0]) * self.block_size
-        num_new_tokens = min(num_new_tokens, seq.num_tokens - cached)
+        # Tokens whose K/V another engine computed count as computed, beyond what the prefix cache serves.
+        computed = max(cached, seq.external.num_tokens) if seq.external is not None else cached
+        num_new_tokens = min(num_new_tokens, seq.num_tokens - computed)
         hits = {b for table in tables for b in table if b != NULL_BLOCK}
         # Cached but free: they leave the free list.
         revived = sum(self.allocator.ref_counts[b] == 0 for b in hits)
-        needed = self._blocks_beyond(tables, cached + num_new_tokens)
+        needed = self._blocks_beyond(tables, computed + num_new_tokens)
         if reserve_tokens:
             # vLLM's `full_sequence_must_fit` gate: the whole prompt, sliding groups capped, must fit as well.
             reserved = self._blocks_beyond(tables, min(reserve_tokens, seq.num_tokens), capped=True)
@@ -396,6 +398,8 @@ class BlockManager:
         only the first chunk's blocks are taken now.
         """
         assert not any(seq.block_tables), "allocate is for sequences without blocks"
+        if seq.external is not None and self.num_groups > 1:
+            raise ValueError("loading K/V computed elsewhere needs one KV-cache group (not a hybrid model)")
         tables, num_new_tokens, needed = self._admission(seq, num_new_tokens, reserve_tokens)
         if needed > self.num_free_blocks:
             return None
@@ -408,6 +412,9 @@ class BlockManager:
         if seq.metrics.num_preemptions:
             self.num_recomputed_tokens += seq.num_tokens - 1 - cached  # all but the last are recomputed
         seq.num_computed_tokens = cached
+        if seq.external is not None:
+            seq.external.start = min(cached, seq.external.num_tokens)
+            seq.num_computed_tokens = max(cached, seq.external.num_tokens)
         # Hit statistics count each request once, at its first admission: a request re-admitted after
         # preemption finds its own blocks again, which is recomputation saved, not prefix sharing.
         if self.enable_prefix_caching and seq.metrics.num_preemptions == 0:
@@ -555,6 +562,10 @@ class ContiguousBlockManager(BlockManager):
 
     def allocate(self, seq: Request, num_new_tokens: int, reserve_tokens: int = 0) -> int | None:
         assert not seq.block_table, "allocate is for sequences without blocks"
+        if seq.external is not None:
+            raise ValueError(
+                "the contiguous baseline cannot load K/V computed elsewhere; use the paged layout"
+            )
         start = self._first_fit()
         if start is None:
             return None

@@ -177,6 +177,33 @@ class KVPool:
             flat.view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))
             self.scales[row, i].view(-1, pool.shape[2]).index_copy_(0, slots, scale[..., 0])
 
+    def read_tokens(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """A copy of K and V of token positions `start..end-1` of a sequence with this block table, as
+        `(layers, 2, end - start, kv_heads, head_dim)` in the pool's dtype: what a prefill instance sends."""
+        self._check_plain("read tokens out of")
+        slots = torch.tensor(slots_for(block_table, start, end, self.block_size), device=self.kv.device)
+        flat = self.kv.view(*self.kv.shape[:2], -1, *self.kv.shape[4:])
+        return flat.index_select(2, slots)
+
+    def write_tokens(self, block_table: list[int], start: int, kv: torch.Tensor) -> None:
+        """Store `(layers, 2, tokens, kv_heads, head_dim)` K and V at positions `start..` of a sequence with this
+        block table (the inverse of `read_tokens`): what a decode instance does with what it receives."""
+        self._check_plain("write tokens into")
+        expected = (self.kv.shape[0], 2, kv.shape[2], *self.kv.shape[4:])
+        if tuple(kv.shape) != expected or kv.dtype != self.kv.dtype:
+            raise ValueError(
+                f"K/V {tuple(kv.shape)} {kv.dtype} does not fit this pool's {expected} {self.kv.dtype}"
+            )
+        slots = slots_for(block_table, start, start + kv.shape[2], self.block_size)
+        flat = self.kv.view(*self.kv.shape[:2], -1, *self.kv.shape[4:])
+        flat.index_copy_(2, torch.tensor(slots, device=self.kv.device), kv.to(self.kv.device))
+
+    def _check_plain(self, what: str) -> None:
+        if self.format.quantized or self.shape.layer_rows is not None:
+            raise ValueError(
+                f"only a pool of one KV-cache group stored in the model's dtype can {what} (kv_cache_dtype 'auto')"
+            )
+
     def gather(self, layer_idx: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of these blocks as `(len(block_ids), block_size, kv_heads, head_dim)` each, in the model's dtype.
 

@@ -120,7 +120,13 @@ class LLMEngine:
         `finish_reason="error"` instead of waiting forever."""
         token_ids, salt = parse_prompt(prompt)
         arrival = self.clock.now() if arrival_time is None else arrival_time
-        seq = Request(token_ids, params or SamplingParams(), arrival, request_id, cache_salt=salt)
+        return self.enqueue(
+            Request(token_ids, params or SamplingParams(), arrival, request_id, cache_salt=salt)
+        )
+
+    def enqueue(self, seq: Request) -> Request:
+        """Queue a built `Request` (one that carries K/V computed elsewhere: `Request.prefilled`), or finish it
+        at once with an error if it can never fit."""
         if seq.num_tokens >= self.max_model_len:
             seq.error = (
                 f"prompt of {seq.num_tokens} tokens does not fit: max_model_len is {self.max_model_len} "

@@ -222,6 +222,8 @@ class ModelRunner:
         sampled: list[Request] = []
         bs = self.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.external is not None:
+                self.load_external(seq)
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids += seq.token_ids[start:end]
             positions += range(start, end)
@@ -246,6 +248,14 @@ class ModelRunner:
         )
         tokens, top_ids = self.sample(sampled, logits[0].float())
         return RunnerOutput(sampled, tokens, top_ids)
+
+    def load_external(self, seq: Request) -> None:
+        """Write the K/V another engine computed for `seq` into its blocks, past what its prefix-cache hit
+        already holds (`ExternalKV.start`), then drop it: a preempted request recomputes, as in vLLM."""
+        external = seq.external
+        assert external is not None
+        self.pool.write_tokens(seq.block_table, external.start, external.kv[:, :, external.start :])
+        seq.external = None
 
     @torch.inference_mode()
     def forward(

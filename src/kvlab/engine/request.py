@@ -50,6 +50,22 @@ def parse_prompt(prompt: Prompt) -> tuple[list[int], str | None]:
     return list(prompt), None
 
 
+@dataclass(eq=False)
+class ExternalKV:
+    """K and V of a request's first `num_tokens` tokens, computed by another engine (a prefill instance) and
+    loaded into this one's pool instead of being computed: vLLM's KV connector on the decode side.
+
+    `kv` is `(layers, 2, num_tokens, kv_heads, head_dim)` in the model's dtype. At admission the block manager
+    gives these tokens blocks and counts them computed, and sets `start` to the tokens its prefix cache served
+    already (those blocks are shared and keep their own values); the runner writes tokens `start..num_tokens`
+    into the pool before the step's forward, then drops `kv`.
+    """
+
+    num_tokens: int
+    kv: Any
+    start: int = 0
+
+
 class RequestStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -90,6 +106,8 @@ class Request:
     # Tokens its blocks hold before `BlockManager.append_slots` has work to do (0: always ask). The block
     # manager keeps it; the scheduler's loop, which runs once per sequence per step, skips the call below it.
     slot_limit: int = 0
+    # K/V of a prefix computed elsewhere, waiting to be loaded (None once loaded, or when there is none).
+    external: ExternalKV | None = None
     num_prompt_tokens: int = field(init=False)
     metrics: RequestMetrics = field(init=False)
 
@@ -102,6 +120,17 @@ class Request:
         self.num_prompt_tokens = len(self.token_ids)
         self.request_id = str(self.seq_id) if self.request_id is None else self.request_id
         self.metrics = RequestMetrics(self.arrival_time, self.num_prompt_tokens)
+
+    @classmethod
+    def prefilled(
+        cls, prompt: Sequence[int], first_token: int, kv: Any, params: SamplingParams, **fields: Any
+    ) -> Request:
+        """A request whose prompt another engine has prefilled: it holds the prompt's K/V (`kv`, as
+        `ExternalKV` takes it) and the token that prefill sampled, so its first step here computes that token."""
+        seq = cls(list(prompt), params, **fields)
+        seq.token_ids.append(first_token)
+        seq.external = ExternalKV(len(prompt), kv)
+        return seq
 
     @property
     def block_table(self) -> list[int]:

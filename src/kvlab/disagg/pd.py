@@ -1,0 +1,374 @@
+"""Disaggregated prefill and decode as two real processes that send K/V over `torch.distributed`.
+
+`run_disaggregated(factory, prompts, params)` starts two processes, each building the same model with `factory`:
+rank 0 is a prefill `LLMEngine`, rank 1 a decode `LLMEngine`. Rank 0 prefills every prompt (continuous batching,
+`max_tokens=1`) and, as each request finishes there, a sender thread ships a header (request index, prompt
+length, first token, payload bytes) and the prompt's K/V as raw bytes (`kvlab.disagg.connector`). On rank 1 a
+receiver thread takes them as they come and hands them to the decode engine, which admits each with its prompt
+counted as computed and generates the rest. Threads keep each engine stepping while bytes move, as vLLM's NIXL
+connector transfers asynchronously.
+
+The link: gloo over TCP on loopback when there is no GPU, or only one (K/V staged through host memory); NCCL
+between two GPUs when the machine has two. Before the requests, `probe_sizes` payloads measure the link as the
+requests use it (header, then payload, one at a time), and `LinkFit` fits seconds = latency + bytes / bandwidth
+to them, so each request's transfer can be predicted. A transfer's seconds run from the moment the sender starts
+it (stamped into its header) to the moment the receiver, always waiting in a receive, holds the whole payload.
+
+Both processes stamp events with `time.perf_counter`, which is one system-wide monotonic clock on Linux, so times
+taken in one process compare with the other's.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kvlab.disagg.connector import KVCapture, Prefilled, prefill_params, to_decode_request
+from kvlab.engine.config import EngineConfig
+from kvlab.engine.llm_engine import LLMEngine
+from kvlab.engine.request import SamplingParams
+
+# header fields, one int64 each; SENT_NS is the sender's `time.perf_counter_ns()` as the header leaves
+INDEX, PROMPT_LEN, FIRST_TOKEN, DONE, NBYTES, SENT_NS = range(6)
+HEADER_LEN = 6
+# a payload size of -1 ends the stream
+END = -1
+DEFAULT_PROBE_SIZES = (1 << 14, 1 << 17, 1 << 20, 1 << 22)
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """seconds = `latency_s` + bytes / `bytes_per_s`, least squares over the probe's (bytes, seconds) samples
+    (`samples` keeps them all)."""
+
+    latency_s: float
+    bytes_per_s: float
+    samples: tuple[tuple[int, float], ...]
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[int, float]]) -> LinkFit:
+        """Fit to the fastest sample of each size: a transfer is never faster than the link, and anything else
+        on the machine only ever slows one down."""
+        best: dict[int, float] = {}
+        for size, seconds in samples:
+            best[size] = min(seconds, best.get(size, seconds))
+        if len(best) < 2:
+            raise ValueError("fitting a link needs samples of at least two sizes")
+        slope, intercept = np.polyfit(list(best), list(best.values()), 1)
+        if slope <= 0:
+            raise ValueError(
+                f"the probe's time does not grow with its size (slope {slope:.3g} s/B): too noisy"
+            )
+        return cls(float(intercept), float(1 / slope), tuple((int(s), float(t)) for s, t in samples))
+
+    def predict(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+
+@dataclass
+class RequestTrace:
+    """One request's path, in `time.perf_counter` seconds: queued at prefill, first token there, payload sent
+    and received whole, finished at decode; `kv_bytes` sent and the seconds the receiver waited for them."""
+
+    request_id: str
+    prompt_len: int
+    kv_bytes: int
+    token_ids: list[int]
+    arrival: float
+    first_token: float
+    sent: float = 0.0
+    received: float = 0.0
+    transfer_s: float = 0.0
+    finished: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float:
+        """To the first token at the prefill instance."""
+        return self.first_token - self.arrival
+
+
+@dataclass(frozen=True)
+class DisaggResult:
+    """Tokens per prompt (in prompt order), each request's `RequestTrace`, and the link: its backend, where each
+    engine ran, and the probe's fit."""
+
+    token_ids: list[list[int]]
+    traces: list[RequestTrace]
+    backend: str
+    devices: tuple[str, str]
+    link: LinkFit
+
+    @property
+    def kv_bytes(self) -> list[int]:
+        return [t.kv_bytes for t in self.traces]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def placement() -> tuple[str, str, str]:
+    """The backend and the two engines' devices on this machine."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count >= 2:
+        return "nccl", "cuda:0", "cuda:1"
+    if count == 1:
+        return "gloo", "cuda:0", "cuda:0"
+    return "gloo", "cpu", "cpu"
+
+
+def run_disaggregated(
+    factory: Callable[..., Any],
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    prefill: EngineConfig | None = None,
+    decode: EngineConfig | None = None,
+    probe_sizes: Sequence[int] = DEFAULT_PROBE_SIZES,
+    probe_repeats: int = 5,
+    timeout_s: float = 600.0,
+) -> DisaggResult:
+    """Serve `prompts` on a prefill process and a decode process; `factory(device=...)` builds the model in each
+    (it must be picklable, such as `functools.partial(kvlab.models.tiny_model, "llama", ...)`)."""
+    if not prompts:
+        raise ValueError("no prompts to serve")
+    prefill_params(params)
+    if min(probe_sizes, default=0) < 1 or len(set(probe_sizes)) < 2 or probe_repeats < 1:
+        raise ValueError("probe_sizes needs two or more distinct positive sizes, and probe_repeats >= 1")
+    backend, *devices = placement()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    args = (backend, port, devices, factory, [list(p) for p in prompts], params, prefill, decode)
+    probe = (tuple(probe_sizes), probe_repeats)
+    procs = [ctx.Process(target=_worker, args=(rank, *args, probe, results)) for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    try:
+        while len(got) < 2:
+            rank, ok, value = results.get(timeout=timeout_s)
+            if not ok:
+                raise RuntimeError(f"the {('prefill', 'decode')[rank]} process failed:\n{value}")
+            got[rank] = value
+    except queue.Empty:
+        raise RuntimeError(f"the disaggregated run did not finish in {timeout_s:.0f} s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    traces: list[RequestTrace] = got[1]["traces"]
+    for trace in traces:
+        trace.arrival, trace.first_token, trace.sent = got[0]["times"][trace.request_id]
+    return DisaggResult(
+        [t.token_ids for t in traces], traces, backend, (devices[0], devices[1]), LinkFit.fit(got[1]["probe"])
+    )
+
+
+def _worker(
+    rank: int,
+    backend: str,
+    port: int,
+    devices: list[str],
+    factory: Callable[..., Any],
+    prompts: list[list[int]],
+    params: SamplingParams,
+    prefill: EngineConfig | None,
+    decode: EngineConfig | None,
+    probe: tuple[tuple[int, ...], int],
+    results: Any,
+) -> None:
+    try:
+        # Both ranks are on this machine: gloo talks over loopback, whatever interface the hostname resolves to.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        device = torch.device(devices[rank])
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:
+            # Two engines share this machine's cores, as two instances on one node would.
+            torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+        # The link's own tensors: on the GPU for NCCL, in host memory for gloo.
+        link = device if backend == "nccl" else torch.device("cpu")
+        model = factory(device=device)
+        if rank == 0:
+            _probe_send(probe, link)
+            value: Any = {"times": _serve_prefill(model, prompts, params, prefill or EngineConfig(), link)}
+        else:
+            samples = _probe_recv(probe, link)
+            traces = _serve_decode(model, prompts, params, decode or EngineConfig(), link)
+            value = {"probe": samples, "traces": traces}
+        dist.barrier()
+        results.put((rank, True, value))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _send(header: list[int], payload: torch.Tensor | None, link: torch.device) -> None:
+    staged = None if payload is None else payload.to(link).reshape(-1).view(torch.uint8)
+    if link.type == "cuda":
+        torch.cuda.synchronize(link)
+    header = [*header[:SENT_NS], time.perf_counter_ns()]
+    dist.send(torch.tensor(header, dtype=torch.int64, device=link), dst=1)
+    if staged is not None and staged.numel():
+        dist.send(staged, dst=1)
+
+
+def _recv(link: torch.device) -> tuple[list[int], torch.Tensor | None, float]:
+    """A header and its payload; the seconds from the sender's stamp to the whole payload here."""
+    header = torch.empty(HEADER_LEN, dtype=torch.int64, device=link)
+    dist.recv(header, src=0)
+    values = header.tolist()
+    payload = None
+    if values[NBYTES] > 0:
+        payload = torch.empty(values[NBYTES], dtype=torch.uint8, device=link)
+        dist.recv(payload, src=0)
+    if link.type == "cuda":
+        torch.cuda.synchronize(link)
+    return values, payload, (time.perf_counter_ns() - values[SENT_NS]) / 1e9
+
+
+def _probe_send(probe: tuple[tuple[int, ...], int], link: torch.device) -> None:
+    sizes, repeats = probe
+    ack = torch.zeros(1, dtype=torch.int64, device=link)
+    for _ in range(repeats):
+        for size in sizes:
+            _send([0, 0, 0, 0, size, 0], torch.zeros(size, dtype=torch.uint8), link)
+            # One transfer at a time: the next starts once this one has landed, as a lone request's would.
+            dist.recv(ack, src=1)
+
+
+def _probe_recv(probe: tuple[tuple[int, ...], int], link: torch.device) -> list[tuple[int, float]]:
+    sizes, repeats = probe
+    samples = []
+    ack = torch.zeros(1, dtype=torch.int64, device=link)
+    for _ in range(repeats * len(sizes)):
+        header, _, seconds = _recv(link)
+        samples.append((header[NBYTES], seconds))
+        dist.send(ack, dst=0)
+    return samples
+
+
+def _serve_prefill(
+    model: Any, prompts: list[list[int]], params: SamplingParams, config: EngineConfig, link: torch.device
+) -> dict[str, tuple[float, float, float]]:
+    engine = LLMEngine(model, config)
+    capture = KVCapture(engine)
+    outbox: queue.Queue[tuple[list[int], torch.Tensor | None] | None] = queue.Queue()
+    sent: dict[int, float] = {}
+    sender = threading.Thread(target=_sender, args=(outbox, link, sent), daemon=True)
+    sender.start()
+    arrival = time.perf_counter()
+    first = prefill_params(params)
+    index = {f"req-{i}": i for i in range(len(prompts))}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, first, request_id=f"req-{i}")
+    times = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            now = time.perf_counter()
+            if out.finish_reason == "error":
+                raise ValueError(f"prefill of {out.request_id} failed: {out.error}")
+            times[out.request_id] = (arrival, now)
+            done = out.finish_reason == "stop" or params.max_tokens == 1
+            kv = None if done else capture.kv.pop(out.request_id)
+            nbytes = 0 if kv is None else kv.numel() * kv.element_size()
+            header = [
+                index[out.request_id],
+                len(out.prompt_token_ids),
+                out.token_ids[0],
+                int(done),
+                nbytes,
+                0,
+            ]
+            outbox.put((header, kv))
+    outbox.put(None)
+    sender.join()
+    return {rid: (*times[rid], sent[i]) for rid, i in index.items()}
+
+
+def _sender(
+    outbox: queue.Queue[tuple[list[int], torch.Tensor | None] | None],
+    link: torch.device,
+    sent: dict[int, float],
+) -> None:
+    while (item := outbox.get()) is not None:
+        sent[item[0][INDEX]] = time.perf_counter()
+        _send(*item, link)
+    _send([0, 0, 0, 0, END, 0], None, link)
+
+
+def _serve_decode(
+    model: Any, prompts: list[list[int]], params: SamplingParams, config: EngineConfig, link: torch.device
+) -> list[RequestTrace]:
+    engine = LLMEngine(model, config)
+    if engine.pool is None:
+        raise ValueError("the decode engine needs a KV pool")
+    pool = engine.pool
+    inbox: queue.Queue[tuple[list[int], torch.Tensor | None, float, float] | None] = queue.Queue()
+    receiver = threading.Thread(target=_receiver, args=(inbox, link), daemon=True)
+    receiver.start()
+    traces: dict[int, RequestTrace] = {}
+    index = {f"req-{i}": i for i in range(len(prompts))}
+    open_stream = True
+    while open_stream or engine.has_unfinished_requests():
+        # Block for the next arrival only when there is nothing to decode.
+        while True:
+            try:
+                item = inbox.get(block=not engine.has_unfinished_requests() and open_stream)
+            except queue.Empty:
+                break
+            if item is None:
+                open_stream = False
+                break
+            header, payload, transfer_s, received = item
+            i = header[INDEX]
+            trace = RequestTrace(
+                f"req-{i}", header[PROMPT_LEN], header[NBYTES], [header[FIRST_TOKEN]], 0.0, 0.0
+            )
+            trace.received, trace.transfer_s = received, transfer_s
+            traces[i] = trace
+            if header[DONE]:
+                trace.finished = received
+                continue
+            assert payload is not None
+            shape = (pool.shape.num_layers, 2, header[PROMPT_LEN], pool.shape.kv_heads, pool.shape.head_dim)
+            kv = payload.to(pool.kv.device).view(pool.dtype).view(shape)
+            item_ = Prefilled(trace.request_id, prompts[i], header[FIRST_TOKEN], None, kv)
+            engine.enqueue(to_decode_request(item_, params, engine.clock.now()))
+        if engine.has_unfinished_requests():
+            now = time.perf_counter()
+            for out in engine.step():
+                i = index[out.request_id]
+                traces[i].token_ids = out.token_ids
+                traces[i].finished = now
+    if len(traces) != len(prompts):
+        raise RuntimeError(f"received {len(traces)} of {len(prompts)} requests")
+    return [traces[i] for i in range(len(prompts))]
+
+
+def _receiver(inbox: queue.Queue[Any], link: torch.device) -> None:
+    while True:
+        header, payload, seconds = _recv(link)
+        if header[NBYTES] == END:
+            inbox.put(None)
+            return
+        inbox.put((header, payload, seconds, time.perf_counter()))

@@ -1,0 +1,140 @@
+"""kvlab.disagg: a prompt's K/V moved from a prefill engine to a decode engine gives one engine's greedy tokens,
+and the bytes moved per request are `kvlab.specs.sizing`'s for the prompt, in one process and across two."""
+
+import functools
+
+import pytest
+import torch
+
+from kvlab.disagg import connector, pd
+from kvlab.engine import EngineConfig, LLMEngine, SamplingParams
+from kvlab.engine.request import Request
+from kvlab.models import tiny_model
+from kvlab.specs import sizing
+
+KNOBS = dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=256)
+LENGTHS = (5, 17, 33, 64, 9, 120)
+PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama", **KNOBS)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in LENGTHS]
+    # the 64-token prompt again, extended: the decode engine's prefix cache serves its first blocks
+    return [*prompts, prompts[3] + [7, 8, 9]]
+
+
+@pytest.fixture(scope="module")
+def reference(llama, prompts):
+    engine = LLMEngine(llama, block_size=4, num_blocks=400, max_num_batched_tokens=64)
+    return [out.token_ids for out in engine.generate(prompts, PARAMS)]
+
+
+def engines(llama, decode_blocks=400):
+    # chunked prefill on the prefill side; prefix caching on the decode side
+    prefill = LLMEngine(llama, block_size=4, num_blocks=80, max_num_batched_tokens=16)
+    decode = LLMEngine(llama, block_size=4, num_blocks=decode_blocks, enable_prefix_caching=True)
+    return prefill, decode
+
+
+def test_split_equals_one_engine(llama, prompts, reference):
+    prefill, decode = engines(llama)
+    items = connector.prefill_all(prefill, prompts, PARAMS)
+    assert [item.kv_bytes for item in items] == [
+        sizing.kv_cache_bytes(llama.config, len(p), 1, "fp32") for p in prompts
+    ]
+    assert connector.decode_all(decode, items, PARAMS) == reference
+    # The repeated prompt's 16 whole blocks came from the decode engine's cache, the rest from the transfer.
+    assert decode.block_manager.prefix_cache_stats.hits == 64
+
+
+def test_the_loaded_kv_is_what_decode_reads(llama, prompts, reference):
+    """Zeroed K/V in place of the prefill's changes the tokens: the decode engine attends to what it loaded."""
+    prefill, decode = engines(llama)
+    items = connector.prefill_all(prefill, prompts[:4], PARAMS)
+    for item in items:
+        assert item.kv is not None
+        item.kv = torch.zeros_like(item.kv)
+    assert connector.decode_all(decode, items, PARAMS) != reference[:4]
+
+
+def test_preempted_decode_recomputes(llama, prompts, reference):
+    """A decode pool too small for every request at once preempts; the victim recomputes and still agrees."""
+    prefill, decode = engines(llama, decode_blocks=40)
+    items = connector.prefill_all(prefill, prompts, PARAMS)
+    assert connector.decode_all(decode, items, PARAMS) == reference
+    assert decode.scheduler.num_preemptions > 0
+
+
+def test_one_token_requests_finish_at_prefill(llama, prompts, reference):
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    prefill, decode = engines(llama)
+    items = connector.prefill_all(prefill, prompts, params)
+    assert all(item.finish_reason == "length" and item.kv is None for item in items)
+    assert connector.decode_all(decode, items, params) == [r[:1] for r in reference]
+
+
+def test_bad_input(llama, prompts):
+    prefill, _ = engines(llama)
+    with pytest.raises(ValueError, match="greedy"):
+        connector.prefill_all(prefill, prompts, SamplingParams(temperature=0.7))
+    kv = torch.zeros(2, 2, 5, 2, 16)
+    contiguous = LLMEngine(llama, block_size=4, num_blocks=400, kv_layout="contiguous")
+    contiguous.enqueue(Request.prefilled(prompts[0], 3, kv, PARAMS))
+    with pytest.raises(ValueError, match="contiguous baseline"):
+        contiguous.step()
+    decode = LLMEngine(llama, block_size=4, num_blocks=400)
+    decode.enqueue(Request.prefilled(prompts[0], 3, kv.half(), PARAMS))
+    with pytest.raises(ValueError, match="does not fit this pool"):
+        decode.step()
+    gemma = tiny_model("gemma3_text", layers=6, hidden=64, heads=4, kv_heads=2, vocab=256, window=8)
+    hybrid = LLMEngine(gemma, block_size=4, num_blocks=400)
+    hybrid.enqueue(Request.prefilled(prompts[0], 3, torch.zeros(6, 2, 5, 2, 16), PARAMS))
+    with pytest.raises(ValueError, match="one KV-cache group"):
+        hybrid.step()
+
+
+def test_link_fit():
+    fit = pd.LinkFit.fit([(1000, 1e-5 + 1e-6), (1000, 5e-5), (9000, 1e-5 + 9e-6)])
+    assert fit.bytes_per_s == pytest.approx(1e9) and fit.latency_s == pytest.approx(1e-5)
+    assert fit.predict(4000) == pytest.approx(1.4e-5)
+    with pytest.raises(ValueError, match="two sizes"):
+        pd.LinkFit.fit([(1000, 1e-5), (1000, 2e-5)])
+    with pytest.raises(ValueError, match="does not grow"):
+        pd.LinkFit.fit([(1000, 2e-5), (9000, 1e-5)])
+
+
+@pytest.mark.slow
+def test_two_processes(llama, prompts, reference):
+    """The prefill and decode engines as two processes over gloo (or NCCL between two GPUs)."""
+    factory = functools.partial(tiny_model, "llama", **KNOBS)
+    result = pd.run_disaggregated(
+        factory,
+        prompts,
+        PARAMS,
+        EngineConfig(block_size=4, num_blocks=80, max_num_batched_tokens=16),
+        EngineConfig(block_size=4, num_blocks=400, enable_prefix_caching=True),
+    )
+    assert result.token_ids == reference
+    assert result.kv_bytes == [sizing.kv_cache_bytes(llama.config, len(p), 1, "fp32") for p in prompts]
+    assert result.backend == pd.placement()[0]
+    assert result.link.bytes_per_s > 0
+    for trace in result.traces:
+        assert trace.arrival <= trace.first_token <= trace.sent < trace.received <= trace.finished
+        assert trace.transfer_s == pytest.approx(trace.received - trace.sent, abs=1e-3)
+
+
+def test_run_disaggregated_bad_input():
+    factory = functools.partial(tiny_model, "llama", **KNOBS)
+    with pytest.raises(ValueError, match="no prompts"):
+        pd.run_disaggregated(factory, [], PARAMS)
+    with pytest.raises(ValueError, match="greedy"):
+        pd.run_disaggregated(factory, [[1, 2]], SamplingParams(temperature=1.0))
+    with pytest.raises(ValueError, match="probe_sizes"):
+        pd.run_disaggregated(factory, [[1, 2]], PARAMS, probe_sizes=(100, 100))
