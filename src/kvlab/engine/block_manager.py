@@ -369,8 +369,12 @@ class BlockManager:
         """A waiting sequence's cached tables, the tokens it would compute now, and the free blocks it needs."""
         tables = self.cached_tables(seq)
         cached = len(tables[0]) * self.block_size
-        # Tokens whose K/V another engine computed count as computed, beyond what the prefix cache serves.
-        computed = max(cached, seq.external.num_tokens) if seq.external is not None else cached
+        # Tokens whose K/V another engine computed count as computed, beyond what the prefix cache serves; after a
+        # preemption they are recomputed here, as in vLLM.
+        external = (
+            seq.external.num_tokens if seq.external is not None and not seq.metrics.num_preemptions else 0
+        )
+        computed = max(cached, external)
         num_new_tokens = min(num_new_tokens, seq.num_tokens - computed)
         hits = {b for table in tables for b in table if b != NULL_BLOCK}
         # Cached but free: they leave the free list.
@@ -412,7 +416,7 @@ class BlockManager:
         if seq.metrics.num_preemptions:
             self.num_recomputed_tokens += seq.num_tokens - 1 - cached  # all but the last are recomputed
         seq.num_computed_tokens = cached
-        if seq.external is not None:
+        if seq.external is not None and not seq.metrics.num_preemptions:
             seq.external.start = min(cached, seq.external.num_tokens)
             seq.num_computed_tokens = max(cached, seq.external.num_tokens)
         # Hit statistics count each request once, at its first admission: a request re-admitted after
