@@ -90,3 +90,22 @@ def test_bad_input(trace):
         cluster.Transfer(1000, math.inf)
     with pytest.raises(ValueError, match="empty"):
         cluster.simulate_colocated([], COST, CONFIG, 2)
+
+
+def test_routing_policies_at_larger_n():
+    """Four replicas, three tenants: prefix-affinity serves more prompt tokens from cache than round-robin, and
+    the simulator's hit count is the replicas' own prefix-cache statistics."""
+    from kvlab.planning.router import Router, multi_tenant_trace
+
+    tenants = multi_tenant_trace(120, (400, 600, 800), (0.4, 0.3, 0.3), output_lens=(20, 60), seed=0)
+    trace = [TraceRequest(i * 0.02, r.prompt_token_ids, r.max_tokens) for i, r in enumerate(tenants.requests)]
+    config = EngineConfig(
+        block_size=16, num_blocks=4000, max_num_batched_tokens=512, enable_prefix_caching=True
+    )
+    results = {
+        policy: cluster.simulate_colocated(trace, COST, config, 4, Router(policy, prefix_blocks=4))
+        for policy in ("round_robin", "least_loaded", "prefix_affinity", "kv_cost")
+    }
+    rates = {policy: r.summary()["prefix_hit_rate"] for policy, r in results.items()}
+    assert rates["prefix_affinity"] > rates["round_robin"] > 0
+    assert all(r.prompt_tokens == sum(len(t.prompt_token_ids) for t in trace) for r in results.values())

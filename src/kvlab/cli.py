@@ -155,6 +155,21 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=_positive_int, default=budget.BLOCK_SIZE)
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=budget.GPU_MEMORY_UTILIZATION)
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument(
+        "--disagg",
+        metavar="P:D",
+        help="also compare P prefill + D decode GPUs (K/V sent over --kv-link) with P+D colocated replicas",
+    )
+    p.add_argument(
+        "--router",
+        choices=["round_robin", "least_loaded", "prefix_affinity", "kv_cost"],
+        help="also compare this routing policy over --dp replicas with round-robin",
+    )
+    p.add_argument(
+        "--kv-link",
+        default="400 Gb InfiniBand NDR",
+        help="the link --disagg sends K/V over (kvlab.offload.tiers: LINKS or CLUSTER_LINKS)",
+    )
     _add_speculative_arguments(p)
     _add_limit_images_argument(p)
 
@@ -214,9 +229,13 @@ def plan_report(args: argparse.Namespace) -> str:
         prefix_fraction=args.prefix_fraction,
         prefix_len=args.prefix_len,
     )
-    result = plan.plan(
-        args.model,
-        args.gpu,
+    split = None if args.disagg is None else plan.parse_split(args.disagg)
+    if split is not None or args.router is not None:
+        # Wrong layouts fail before the plan's own search runs.
+        plan.check_layouts(
+            _settings(args), workload, split, args.router, args.dp, args.max_gpus, args.kv_link
+        )
+    common = dict(
         context=args.context,
         workload=workload,
         targets=targets,
@@ -224,9 +243,14 @@ def plan_report(args: argparse.Namespace) -> str:
         enable_prefix_caching=not args.no_prefix_caching,
         dp=args.dp,
         max_gpus=args.max_gpus,
-        allreduce_latency_s=args.allreduce_latency / 1e3,
     )
-    return result.report()
+    result = plan.plan(args.model, args.gpu, allreduce_latency_s=args.allreduce_latency / 1e3, **common)
+    if split is None and args.router is None:
+        return result.report()
+    layouts = plan.plan_cluster(
+        args.model, args.gpu, disagg=split, router=args.router, kv_link=args.kv_link, **common
+    )
+    return result.report() + "\n" + layouts.report()
 
 
 def _settings(args: argparse.Namespace) -> budget.BudgetSettings:

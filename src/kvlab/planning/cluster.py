@@ -7,7 +7,8 @@ engine by the routing rule) or the step of the engine whose next step starts fir
 no earlier than it exists, and an engine decides a step only from requests that exist when the step starts.
 
 - `simulate_colocated`: N replicas, each doing prefill and decode with chunked prefill (vLLM's default); each
-  arrival goes to the least-loaded replica (`kvlab.planning.router.least_loaded`).
+  arrival goes where a `kvlab.planning.router.Router` sends it (least-loaded unless told otherwise), so the four
+  routing policies can be compared at any N, prefix-cache hits included.
 - `simulate_disaggregated`: P prefill engines and D decode engines. A prefill engine runs a request to its first
   token (`max_tokens=1`), then its prompt's K/V crosses a link (`Transfer`) to the least-loaded decode engine,
   which admits it with all but the prompt's last token counted computed (`Request.external`) and generates every
@@ -37,7 +38,7 @@ from kvlab.engine.cost_runner import CostRunner
 from kvlab.engine.llm_engine import LLMEngine, RequestOutput
 from kvlab.engine.metrics import SLO, RequestMetrics, summarize
 from kvlab.engine.request import ExternalKV, Request, SamplingParams
-from kvlab.planning.router import least_loaded
+from kvlab.planning.router import Router, least_loaded
 from kvlab.planning.simulate import _check_trace
 
 Cost = Callable[[Sequence[int], Sequence[int]], float]
@@ -77,11 +78,15 @@ class ClusterResult:
     num_gpus: int
     busy_seconds: list[float]
     transfer_seconds: list[float] = field(default_factory=list)
+    # prompt tokens looked up in, and served by, the prefix caches of the engines that prefill
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
 
     def summary(self, slo: SLO | None = None, qs: Sequence[float] = (50, 99)) -> dict[str, float]:
         out = summarize(self.requests, slo=slo, qs=qs)
         if slo is not None:
             out["request_goodput_per_gpu"] = out["request_goodput"] / self.num_gpus
+        out["prefix_hit_rate"] = self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
         return out
 
 
@@ -135,21 +140,32 @@ def _busy(engines: Sequence[LLMEngine]) -> list[float]:
     return [sum(e.runner.step_seconds) for e in engines if isinstance(e.runner, CostRunner)]
 
 
+def _lookups(engines: Sequence[LLMEngine]) -> tuple[int, int]:
+    """Prompt tokens the engines' prefix caches looked up, and served."""
+    stats = [e.block_manager.prefix_cache_stats for e in engines]
+    return sum(s.queries for s in stats), sum(s.hits for s in stats)
+
+
 def simulate_colocated(
-    trace: Sequence[TraceRequest], cost: Cost, config: EngineConfig, num_replicas: int
+    trace: Sequence[TraceRequest],
+    cost: Cost,
+    config: EngineConfig,
+    num_replicas: int,
+    router: Router | None = None,
 ) -> ClusterResult:
-    """`num_replicas` engines that each prefill and decode; arrivals go to the least-loaded one."""
+    """`num_replicas` engines that each prefill and decode; `router` (default least-loaded) picks each one."""
     _check_trace(trace)
     engines = _engines(cost, config, num_replicas)
+    router = router or Router("least_loaded")
     seqs: list[Request] = []
 
     def dispatch(i: int, r: TraceRequest) -> None:
         params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
-        engine = engines[least_loaded(engines)]
+        engine = engines[router.choose(r.prompt_token_ids, engines)]
         seqs.append(engine.add_request(list(r.prompt_token_ids), params, arrival_time=r.arrival_time))
 
     run_cluster(engines, trace, dispatch, lambda k, outs: _check_outputs(outs))
-    return ClusterResult([s.metrics for s in seqs], num_replicas, _busy(engines))
+    return ClusterResult([s.metrics for s in seqs], num_replicas, _busy(engines), [], *_lookups(engines))
 
 
 def _check_outputs(outputs: list[RequestOutput]) -> None:
@@ -221,4 +237,5 @@ def simulate_disaggregated(
         num_prefill + num_decode,
         _busy([*prefills, *decodes]),
         [seconds[i] for i in range(len(trace))],
+        *_lookups(prefills),
     )

@@ -44,7 +44,12 @@ from dataclasses import dataclass, field
 
 from kvlab.costs import budget, roofline
 from kvlab.costs.workloads import TraceRequest, Workload, WorkloadError
+from kvlab.engine.config import EngineConfig
 from kvlab.engine.metrics import SLO, RequestMetrics
+from kvlab.offload.tiers import Link
+from kvlab.offload.tiers import link as find_link
+from kvlab.planning import cluster
+from kvlab.planning.router import POLICIES, Router
 from kvlab.planning.simulate import SimulationResult, simulate
 from kvlab.specs import arch, hardware, sizing
 from kvlab.specs.arch import describe, resolve
@@ -544,3 +549,153 @@ def _goodput(
         else:
             hi = mid
     return lo
+
+
+# --- several GPUs as a cluster: P/D splits and routing policies (kvlab.planning.cluster) -----------------------
+
+DEFAULT_KV_LINK = "400 Gb InfiniBand NDR"
+
+
+@dataclass(frozen=True)
+class ClusterRow:
+    """One layout's modelled run: its name, GPUs, the run's summary and the share of requests meeting the targets."""
+
+    layout: str
+    num_gpus: int
+    summary: dict[str, float]
+    attainment: float
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """Layouts of the same GPUs compared on one trace (`plan_cluster`); `report()` is what `kvlab plan` adds."""
+
+    rows: list[ClusterRow]
+    targets: Targets
+    offered: str
+    link: str
+
+    def report(self) -> str:
+        p = f"p{self.targets.percentile:g}"
+        lines = [
+            f"cluster      layouts compared at {self.offered} (kvlab.planning.cluster; modelled, not measured); "
+            f"P/D K/V over {self.link}",
+            f"  {'layout':<28} GPUs  TTFT p50/p99 ms     ITL p50/p99 ms   prefix hits  attain {p}",
+        ]
+        for row in self.rows:
+            s = row.summary
+            lines.append(
+                f"  {row.layout:<28} {row.num_gpus:>4}  {s['p50_ttft_ms']:7.1f} / {s['p99_ttft_ms']:<8.1f}"
+                f" {s['p50_itl_ms']:6.1f} / {s['p99_itl_ms']:<7.1f}  {s['prefix_hit_rate']:10.1%}  "
+                f"{row.attainment:6.1%}"
+            )
+        return "\n".join(lines)
+
+
+def parse_split(text: str) -> tuple[int, int]:
+    """'1:3' as (1, 3): prefill and decode GPUs, each at least 1."""
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or min(int(p) for p in parts) < 1:
+        raise PlanError(
+            f"--disagg takes P:D, prefill and decode GPUs of at least 1 each (e.g. 1:3), got {text!r}"
+        )
+    return int(parts[0]), int(parts[1])
+
+
+def plan_cluster(
+    model: str,
+    gpu: str,
+    *,
+    context: int,
+    workload: Workload,
+    targets: Targets,
+    settings: budget.BudgetSettings | None = None,
+    enable_prefix_caching: bool = True,
+    disagg: tuple[int, int] | None = None,
+    router: str | None = None,
+    dp: int | None = None,
+    max_gpus: int = 64,
+    kv_link: str = DEFAULT_KV_LINK,
+    prefix_blocks: int = 4,
+) -> ClusterPlan:
+    """Compare layouts of single-GPU engines on the workload's trace at its rate over the whole cluster.
+
+    `disagg=(P, D)`: P prefill and D decode engines with K/V sent over `kv_link`, beside P + D colocated replicas
+    (least-loaded). `router` with `dp`: `dp` colocated replicas under that policy of `kvlab.planning.router`,
+    beside round-robin. Each engine has one GPU's pool and vLLM's batch limits for the GPU."""
+    settings = settings or budget.BudgetSettings()
+    chosen = check_layouts(settings, workload, disagg, router, dp, max_gpus, kv_link)
+    acc = hardware.get(gpu) if isinstance(gpu, str) else gpu
+    config = resolve(model)
+    mb = settings.memory_budget(config, acc)
+    if not mb.fits or mb.num_blocks * mb.block_size < context + mb.block_size:
+        raise PlanError(f"not one sequence of {context:,} tokens fits one {acc.name}'s KV pool")
+    batched, seqs = settings.batch_limits(acc, config)
+    engine = EngineConfig(
+        block_size=mb.block_size,
+        num_blocks=mb.num_blocks,
+        max_num_batched_tokens=batched,
+        max_num_seqs=seqs,
+        max_model_len=context,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    if not isinstance(settings.weight_dtype, str):
+        raise PlanError(f"the step-cost model needs a weight dtype ({', '.join(budget.DTYPES)})")
+    cost = RooflineStepCost(config, acc, settings.weight_dtype, settings.kv_dtype)
+    vocab = config.get_text_config(decoder=True).vocab_size
+    assert workload.rate is not None
+    try:
+        trace = workload.traces(vocab, max_model_len=context)(workload.rate)
+    except WorkloadError as err:
+        raise PlanError(str(err)) from None
+    rows = []
+
+    def add(layout: str, gpus: int, result: cluster.ClusterResult) -> None:
+        rows.append(
+            ClusterRow(layout, gpus, result.summary(targets.slo), targets.attainment(result.requests))
+        )
+
+    if disagg is not None:
+        p, d = disagg
+        add(f"colocated × {p + d}", p + d, cluster.simulate_colocated(trace, cost, engine, p + d))
+        transfer = cluster.Transfer.over(chosen, sizing.kv_bytes_per_token(config, settings.kv_dtype))
+        result = cluster.simulate_disaggregated(trace, cost, cost, engine, engine, p, d, transfer)
+        add(f"{p} prefill : {d} decode", p + d, result)
+    if router is not None and dp is not None:
+        for policy in dict.fromkeys(["round_robin", router]):
+            result = cluster.simulate_colocated(trace, cost, engine, dp, Router(policy, prefix_blocks))
+            add(f"{dp} replicas, {policy}", dp, result)
+    offered = (
+        f"{workload.rate:g} req/s, mean {workload.mean_input:g} in / {workload.mean_output:g} out tokens"
+    )
+    return ClusterPlan(rows, targets, offered, chosen.name)
+
+
+def check_layouts(
+    settings: budget.BudgetSettings,
+    workload: Workload,
+    disagg: tuple[int, int] | None,
+    router: str | None,
+    dp: int | None,
+    max_gpus: int,
+    kv_link: str,
+) -> Link:
+    """`plan_cluster`'s arguments checked before anything runs (a one-line `PlanError`); the K/V link."""
+    if disagg is None and router is None:
+        raise PlanError("plan_cluster needs disagg=(P, D) or a router policy")
+    if settings.tp != 1 or settings.pp != 1:
+        raise PlanError("--disagg and --router model single-GPU engines: leave --tp and --pp at 1")
+    if workload.rate is None:
+        raise PlanError("--disagg and --router need an open-loop load: give --rate, not --concurrency")
+    if router is not None and router not in POLICIES:
+        raise PlanError(f"unknown --router {router!r}; known: {', '.join(POLICIES)}")
+    if router is not None and dp is None:
+        raise PlanError("--router needs --dp N, the replicas it routes over")
+    counts = [sum(disagg)] if disagg is not None else []
+    counts += [dp] if router is not None and dp is not None else []
+    if max(counts) > max_gpus:
+        raise PlanError(f"the layouts need {max(counts)} GPUs, more than --max-gpus {max_gpus}")
+    try:
+        return find_link(kv_link)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
