@@ -101,7 +101,9 @@ def test_bad_input(llama, prompts):
 
 
 def test_link_fit():
-    fit = pd.LinkFit.fit([(1000, 1e-5 + 1e-6), (1000, 5e-5), (9000, 1e-5 + 9e-6)])
+    # the median of each size: one slow sample of three does not move the fit
+    samples = [(1000, 1e-5 + 1e-6), (1000, 5e-5), (1000, 1e-5 + 1e-6), (9000, 1e-5 + 9e-6)]
+    fit = pd.LinkFit.fit(samples)
     assert fit.bytes_per_s == pytest.approx(1e9) and fit.latency_s == pytest.approx(1e-5)
     assert fit.predict(4000) == pytest.approx(1.4e-5)
     with pytest.raises(ValueError, match="two sizes"):
@@ -138,3 +140,22 @@ def test_run_disaggregated_bad_input():
         pd.run_disaggregated(factory, [[1, 2]], SamplingParams(temperature=1.0))
     with pytest.raises(ValueError, match="probe_sizes"):
         pd.run_disaggregated(factory, [[1, 2]], PARAMS, probe_sizes=(100, 100))
+
+
+def test_transfer_checks():
+    """The lab's claim on a result built by hand: a request 1.5× its prediction passes [0.5, 2], 3× misses it, and
+    a link four times faster than the fit misses too."""
+    fit = pd.LinkFit(1e-4, 1e9, ((1 << 20, 1e-4 + (1 << 20) / 1e9), (1 << 24, 1e-4 + (1 << 24) / 1e9)))
+
+    def result(factor):
+        traces = [
+            pd.RequestTrace(f"req-{i}", 8, n, [1], 0, 0) for i, n in enumerate((1 << 20, 1 << 22, 1 << 23))
+        ]
+        for t in traces:
+            t.transfer_s = factor * fit.predict(t.kv_bytes)
+        return pd.DisaggResult([[1]] * 3, traces, "gloo", ("cpu", "cpu"), fit)
+
+    assert all(c.holds for c in result(1.5).transfer_checks([0.5, 2.0]))
+    assert not result(3.0).transfer_checks([0.5, 2.0])[0].holds
+    faster = pd.LinkFit(fit.latency_s, 4 * fit.bytes_per_s, fit.samples)
+    assert min(result(1.0).transfer_ratios(faster)) > 2.0

@@ -284,3 +284,20 @@ def test_legend_outside_picks_columns_that_fit_as_matplotlib_fills_them():
     plot.legend_outside(fig)
     assert not plot.check_figure(fig).text_collisions
     matplotlib.pyplot.close(fig)
+
+
+def test_log_axis_ticks_are_plain_round_numbers():
+    fig, ax = plot.figure()
+    ax.plot([0.3, 60], [0.3, 60])
+    ax.set(xscale="log", yscale="log")
+    plot.log_axis(ax)
+    fig.canvas.draw()
+    labels = [t.get_text() for t in ax.get_yticklabels() if t.get_visible() and t.get_text()]
+    lo, hi = ax.get_ylim()
+    shown = [v for v in ax.get_yticks() if lo <= v <= hi]
+    assert {f"{v:g}" for v in shown} <= {"0.5", "1", "2", "5", "10", "20", "50"}
+    assert "0.5" in labels and "50" in labels and not any("10^" in t or "×" in t for t in labels)
+    linear = plot.figure()[1]
+    with pytest.raises(ValueError, match="not on a log scale"):
+        plot.log_axis(linear)
+    matplotlib.pyplot.close("all")

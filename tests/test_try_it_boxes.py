@@ -85,6 +85,7 @@ VLLM_033_ENGINE_FLAGS = {
     "--kv-cache-dtype",
     "--kv-offloading-backend",
     "--kv-offloading-size",
+    "--kv-transfer-config",
     "--max-model-len",
     "--max-num-batched-tokens",
     "--max-num-seqs",
@@ -210,7 +211,7 @@ def section(page: Path, heading: str) -> str:
 
 def test_every_chapter_and_the_appendix_is_checked():
     names = [p.parent.name for p in CHAPTERS]
-    assert len([n for n in names if n[:2].isdigit()]) == 16 and "appendix_cheat_sheet" in names
+    assert len([n for n in names if n[:2].isdigit()]) == 17 and "appendix_cheat_sheet" in names
 
 
 @pytest.mark.parametrize("page", CHAPTERS, ids=lambda p: p.parent.name)

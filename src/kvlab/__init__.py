@@ -3,7 +3,8 @@
 Packages, from the bottom layer up (docs/modules.md maps every module to its chapters):
 `specs` (architectures, sizing, GPUs, vLLM's defaults: chapters 2, 4), `models` (tiny and real transformers
 models), `costs` (memory budget, roofline: chapters 3-6), `engine` (the paged engine: chapters 5-9), `offload`
-(chapter 12), `disagg` (prefill and decode on two engines, K/V moved between), `planning` (simulator, `kvlab plan`, `kvlab diagnose`: chapters 14, 15), `experiments` (the
+(chapter 12), `disagg` (prefill and decode on two engines, K/V moved between: chapter 17), `planning`
+(simulator, `kvlab plan`, `kvlab diagnose`, routing, cluster layouts: chapters 14, 15, 17), `experiments` (the
 chapters' measurements on real models: 1, 3, 4, 8-11, 13) and `book` (figures, tables, sweeps, GPU runs).
 
 `kvlab.env_report` and `kvlab.pick_device` load `kvlab.env` (and torch) on first use, so that `import kvlab`

@@ -629,6 +629,17 @@ def bytes_axis(ax: Axes, axis: str = "y") -> None:
         )
 
 
+def log_axis(ax: Axes, axis: str = "y") -> None:
+    """A log `axis` ("x" or "y") ticked at 1, 2 and 5 of each decade, in plain numbers (0.5, 1, 2, 5, 10, ...),
+    not matplotlib's "5 × 10⁻¹"; no minor ticks."""
+    target = ax.yaxis if axis == "y" else ax.xaxis
+    if target.get_scale() != "log":
+        raise ValueError(f"log_axis: the {axis} axis is not on a log scale; set it first")
+    target.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=30))
+    target.set_minor_locator(NullLocator())
+    target.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:g}"))
+
+
 def step_series(ax: Axes, stats: Sequence[Any], field: str, *, color: str, label: str) -> None:
     """One engine run's `field` of `StepStats`, step by step, as a thin line."""
     ax.plot([s.step for s in stats], [getattr(s, field) for s in stats], color=color, lw=1.2, label=label)

@@ -1,4 +1,4 @@
-"""Disaggregated prefill and decode (the library of the cluster chapter): one engine prefills, another decodes, K/V moves between.
+"""Disaggregated prefill and decode (chapter 17): one engine prefills, another decodes, K/V moves between.
 
 - `connector`: the two halves of a KV connector on `LLMEngine`s: `KVCapture` copies a prompt's K/V out of the
   prefill engine's pool, `Request.prefilled` admits it on the decode engine with its prompt counted computed;

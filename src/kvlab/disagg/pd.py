@@ -11,7 +11,7 @@ connector transfers asynchronously.
 The link: gloo over TCP on loopback when there is no GPU, or only one (K/V staged through host memory); NCCL
 between two GPUs when the machine has two. Before the requests, `probe_sizes` payloads measure the link as the
 requests use it (header, then payload, one at a time), and `LinkFit` fits seconds = latency + bytes / bandwidth
-to them, so each request's transfer can be predicted. A transfer's seconds run from the moment the sender starts
+to their medians, so each request's transfer can be predicted. A transfer's seconds run from the moment the sender starts
 it (stamped into its header) to the moment the receiver, always waiting in a receive, holds the whole payload.
 
 Both processes stamp events with `time.perf_counter`, which is one system-wide monotonic clock on Linux, so times
@@ -35,8 +35,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kvlab.claims import Check, between, less
 from kvlab.disagg.connector import KVCapture, Prefilled, prefill_params, to_decode_request
 from kvlab.engine.config import EngineConfig
+from kvlab.engine.kv_pool import KVPool, KVShape
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.engine.request import SamplingParams
 
@@ -59,14 +61,16 @@ class LinkFit:
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[int, float]]) -> LinkFit:
-        """Fit to the fastest sample of each size: a transfer is never faster than the link, and anything else
-        on the machine only ever slows one down."""
-        best: dict[int, float] = {}
+        """Fit to the median sample of each size: the typical transfer, which is what one request's single
+        transfer is compared with (the fastest would predict a transfer that the machine's other work rarely
+        allows)."""
+        by_size: dict[int, list[float]] = {}
         for size, seconds in samples:
-            best[size] = min(seconds, best.get(size, seconds))
-        if len(best) < 2:
+            by_size.setdefault(size, []).append(seconds)
+        if len(by_size) < 2:
             raise ValueError("fitting a link needs samples of at least two sizes")
-        slope, intercept = np.polyfit(list(best), list(best.values()), 1)
+        typical = {size: float(np.median(times)) for size, times in by_size.items()}
+        slope, intercept = np.polyfit(list(typical), list(typical.values()), 1)
         if slope <= 0:
             raise ValueError(
                 f"the probe's time does not grow with its size (slope {slope:.3g} s/B): too noisy"
@@ -115,6 +119,21 @@ class DisaggResult:
     def kv_bytes(self) -> list[int]:
         return [t.kv_bytes for t in self.traces]
 
+    def transfer_ratios(self, link: LinkFit | None = None) -> list[float]:
+        """Each request's measured transfer over what `link` (default: this run's fit) predicts for its bytes."""
+        fit = link or self.link
+        return [t.transfer_s / fit.predict(t.kv_bytes) for t in self.traces]
+
+    def transfer_checks(self, band: Sequence[float]) -> list[Check]:
+        """The transfer claim: the median of `transfer_ratios` lies in `band` (low, high), and the fitted
+        latency is below the largest probe's predicted time (the time grows with the bytes)."""
+        low, high = band
+        largest = max(size for size, _ in self.link.samples)
+        return [
+            between("median measured / predicted", float(np.median(self.transfer_ratios())), low, high),
+            less("fitted latency", self.link.latency_s, self.link.predict(largest)),
+        ]
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -141,9 +160,15 @@ def run_disaggregated(
     probe_sizes: Sequence[int] = DEFAULT_PROBE_SIZES,
     probe_repeats: int = 5,
     timeout_s: float = 600.0,
+    overlap: bool = True,
 ) -> DisaggResult:
     """Serve `prompts` on a prefill process and a decode process; `factory(device=...)` builds the model in each
-    (it must be picklable, such as `functools.partial(kvlab.models.tiny_model, "llama", ...)`)."""
+    (it must be picklable, such as `functools.partial(kvlab.models.tiny_model, "llama", ...)`).
+
+    `overlap=False` moves the K/V only once every prompt is prefilled, one request at a time, each acknowledged
+    before the next, and decodes once all have landed: each transfer then meets the link alone, as the probe's
+    do. On a CPU, where the engines' forwards and the transfer threads share the cores, that is the way to
+    measure the link; the tokens and bytes are the same either way."""
     if not prompts:
         raise ValueError("no prompts to serve")
     prefill_params(params)
@@ -153,7 +178,7 @@ def run_disaggregated(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    args = (backend, port, devices, factory, [list(p) for p in prompts], params, prefill, decode)
+    args = (backend, port, devices, factory, [list(p) for p in prompts], params, prefill, decode, overlap)
     probe = (tuple(probe_sizes), probe_repeats)
     procs = [ctx.Process(target=_worker, args=(rank, *args, probe, results)) for rank in (0, 1)]
     for p in procs:
@@ -190,6 +215,7 @@ def _worker(
     params: SamplingParams,
     prefill: EngineConfig | None,
     decode: EngineConfig | None,
+    overlap: bool,
     probe: tuple[tuple[int, ...], int],
     results: Any,
 ) -> None:
@@ -208,10 +234,17 @@ def _worker(
         model = factory(device=device)
         if rank == 0:
             _probe_send(probe, link)
-            value: Any = {"times": _serve_prefill(model, prompts, params, prefill or EngineConfig(), link)}
+            times = _serve_prefill(model, prompts, params, prefill or EngineConfig(), link, overlap)
+            value: Any = {"times": times}
         else:
-            samples = _probe_recv(probe, link)
-            traces = _serve_decode(model, prompts, params, decode or EngineConfig(), link)
+            # One receive buffer, its pages touched now, as vLLM's decode side receives into its registered pool:
+            # a fresh buffer per transfer would charge each its page faults.
+            largest = max(len(p) for p in prompts) * KVPool.bytes_per_token(
+                KVShape.from_config(model.config), next(model.parameters()).dtype
+            )
+            staging = torch.zeros(max(largest, *probe[0]), dtype=torch.uint8, device=link)
+            samples = _probe_recv(probe, staging)
+            traces = _serve_decode(model, prompts, params, decode or EngineConfig(), staging, overlap)
             value = {"probe": samples, "traces": traces}
         dist.barrier()
         results.put((rank, True, value))
@@ -232,50 +265,67 @@ def _send(header: list[int], payload: torch.Tensor | None, link: torch.device) -
         dist.send(staged, dst=1)
 
 
-def _recv(link: torch.device) -> tuple[list[int], torch.Tensor | None, float]:
-    """A header and its payload; the seconds from the sender's stamp to the whole payload here."""
+def _recv(staging: torch.Tensor) -> tuple[list[int], torch.Tensor | None, float]:
+    """A header and its payload, received into `staging`; the seconds from the sender's stamp to the whole
+    payload here. The payload returned is a copy, made after the clock stops."""
+    link = staging.device
     header = torch.empty(HEADER_LEN, dtype=torch.int64, device=link)
     dist.recv(header, src=0)
     values = header.tolist()
     payload = None
     if values[NBYTES] > 0:
-        payload = torch.empty(values[NBYTES], dtype=torch.uint8, device=link)
+        if values[NBYTES] > staging.numel():
+            raise ValueError(f"a payload of {values[NBYTES]:,} bytes exceeds the receive buffer")
+        payload = staging[: values[NBYTES]]
         dist.recv(payload, src=0)
     if link.type == "cuda":
         torch.cuda.synchronize(link)
-    return values, payload, (time.perf_counter_ns() - values[SENT_NS]) / 1e9
+    seconds = (time.perf_counter_ns() - values[SENT_NS]) / 1e9
+    return values, None if payload is None else payload.clone(), seconds
 
 
 def _probe_send(probe: tuple[tuple[int, ...], int], link: torch.device) -> None:
     sizes, repeats = probe
     ack = torch.zeros(1, dtype=torch.int64, device=link)
-    for _ in range(repeats):
-        for size in sizes:
-            _send([0, 0, 0, 0, size, 0], torch.zeros(size, dtype=torch.uint8), link)
+    # Real bytes in touched pages (a zeroed buffer can be the kernel's one zero page), a fresh buffer each send:
+    # a request's K/V was written long before it leaves, so it is not in the CPU's cache either.
+    payloads = [
+        [torch.randint(0, 256, (size,), dtype=torch.uint8, device=link) for size in sizes]
+        for _ in range(repeats)
+    ]
+    for batch in payloads:
+        for payload in batch:
+            _send([0, 0, 0, 0, payload.numel(), 0], payload, link)
             # One transfer at a time: the next starts once this one has landed, as a lone request's would.
             dist.recv(ack, src=1)
 
 
-def _probe_recv(probe: tuple[tuple[int, ...], int], link: torch.device) -> list[tuple[int, float]]:
+def _probe_recv(probe: tuple[tuple[int, ...], int], staging: torch.Tensor) -> list[tuple[int, float]]:
     sizes, repeats = probe
     samples = []
-    ack = torch.zeros(1, dtype=torch.int64, device=link)
+    ack = torch.zeros(1, dtype=torch.int64, device=staging.device)
     for _ in range(repeats * len(sizes)):
-        header, _, seconds = _recv(link)
+        header, _, seconds = _recv(staging)
         samples.append((header[NBYTES], seconds))
         dist.send(ack, dst=0)
     return samples
 
 
 def _serve_prefill(
-    model: Any, prompts: list[list[int]], params: SamplingParams, config: EngineConfig, link: torch.device
+    model: Any,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    config: EngineConfig,
+    link: torch.device,
+    overlap: bool,
 ) -> dict[str, tuple[float, float, float]]:
     engine = LLMEngine(model, config)
     capture = KVCapture(engine)
     outbox: queue.Queue[tuple[list[int], torch.Tensor | None] | None] = queue.Queue()
     sent: dict[int, float] = {}
-    sender = threading.Thread(target=_sender, args=(outbox, link, sent), daemon=True)
-    sender.start()
+    sender = threading.Thread(target=_sender, args=(outbox, link, sent, not overlap), daemon=True)
+    if overlap:
+        sender.start()
     arrival = time.perf_counter()
     first = prefill_params(params)
     index = {f"req-{i}": i for i in range(len(prompts))}
@@ -301,7 +351,11 @@ def _serve_prefill(
             ]
             outbox.put((header, kv))
     outbox.put(None)
-    sender.join()
+    if overlap:
+        sender.join()
+    else:
+        # Every prompt is prefilled: the transfers run now, one at a time.
+        sender.run()
     return {rid: (*times[rid], sent[i]) for rid, i in index.items()}
 
 
@@ -309,23 +363,36 @@ def _sender(
     outbox: queue.Queue[tuple[list[int], torch.Tensor | None] | None],
     link: torch.device,
     sent: dict[int, float],
+    acknowledged: bool,
 ) -> None:
+    ack = torch.zeros(1, dtype=torch.int64, device=link)
     while (item := outbox.get()) is not None:
         sent[item[0][INDEX]] = time.perf_counter()
         _send(*item, link)
+        if acknowledged:
+            dist.recv(ack, src=1)
     _send([0, 0, 0, 0, END, 0], None, link)
 
 
 def _serve_decode(
-    model: Any, prompts: list[list[int]], params: SamplingParams, config: EngineConfig, link: torch.device
+    model: Any,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    config: EngineConfig,
+    staging: torch.Tensor,
+    overlap: bool,
 ) -> list[RequestTrace]:
     engine = LLMEngine(model, config)
     if engine.pool is None:
         raise ValueError("the decode engine needs a KV pool")
     pool = engine.pool
     inbox: queue.Queue[tuple[list[int], torch.Tensor | None, float, float] | None] = queue.Queue()
-    receiver = threading.Thread(target=_receiver, args=(inbox, link), daemon=True)
-    receiver.start()
+    receiver = threading.Thread(target=_receiver, args=(inbox, staging, not overlap), daemon=True)
+    if overlap:
+        receiver.start()
+    else:
+        # Everything lands before the first decode step.
+        receiver.run()
     traces: dict[int, RequestTrace] = {}
     index = {f"req-{i}": i for i in range(len(prompts))}
     open_stream = True
@@ -365,10 +432,13 @@ def _serve_decode(
     return [traces[i] for i in range(len(prompts))]
 
 
-def _receiver(inbox: queue.Queue[Any], link: torch.device) -> None:
+def _receiver(inbox: queue.Queue[Any], staging: torch.Tensor, acknowledge: bool) -> None:
+    ack = torch.zeros(1, dtype=torch.int64, device=staging.device)
     while True:
-        header, payload, seconds = _recv(link)
+        header, payload, seconds = _recv(staging)
         if header[NBYTES] == END:
             inbox.put(None)
             return
         inbox.put((header, payload, seconds, time.perf_counter()))
+        if acknowledge:
+            dist.send(ack, dst=0)
