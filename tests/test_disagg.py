@@ -113,8 +113,10 @@ def test_link_fit():
 
 
 @pytest.mark.slow
-def test_two_processes(llama, prompts, reference):
-    """The prefill and decode engines as two processes over gloo (or NCCL between two GPUs)."""
+@pytest.mark.parametrize("overlap", [True, False])
+def test_two_processes(llama, prompts, reference, overlap):
+    """The prefill and decode engines as two processes over gloo (or NCCL between two GPUs), with the transfers
+    overlapping the engines' steps or after every prefill, one at a time."""
     factory = functools.partial(tiny_model, "llama", **KNOBS)
     result = pd.run_disaggregated(
         factory,
@@ -122,6 +124,7 @@ def test_two_processes(llama, prompts, reference):
         PARAMS,
         EngineConfig(block_size=4, num_blocks=80, max_num_batched_tokens=16),
         EngineConfig(block_size=4, num_blocks=400, enable_prefix_caching=True),
+        overlap=overlap,
     )
     assert result.token_ids == reference
     assert result.kv_bytes == [sizing.kv_cache_bytes(llama.config, len(p), 1, "fp32") for p in prompts]

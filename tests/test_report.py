@@ -3,7 +3,7 @@
 import pytest
 
 from kvlab.agreement import compare_tokens
-from kvlab.book.report import Table, keeps_tokens, share_kept, tokens_kept
+from kvlab.book.report import Table, glue_all, keeps_tokens, share_kept, tokens_kept
 
 
 def test_table_formats_ints_floats_and_rejects_ragged_rows():
@@ -69,3 +69,13 @@ def test_glue_all_refuses_a_name_the_glue_role_cannot_spell():
 
     with pytest.raises(ValueError, match="identifier"):
         glue_all({"two words": 1})
+
+
+def test_glue_all_refuses_a_figure():
+    """A figure glued without display has no image file in the built page; myst_nb.glue(name, fig) shows it."""
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure()
+    with pytest.raises(ValueError, match="myst_nb.glue"):
+        glue_all({"figure": fig})
+    plt.close(fig)

@@ -77,6 +77,9 @@ def glue_all(values: Mapping[str, Any], *, prefix: str = "") -> None:
     for key, value in values.items():
         if not isinstance(key, str) or not key.isidentifier():
             raise ValueError(f"glue name must be an identifier, got {key!r}")
+        if hasattr(value, "savefig"):
+            # Stored without display, a figure's image never reaches the built page (its file is not written).
+            raise ValueError(f"glue figure {key!r} with myst_nb.glue(name, fig), which displays it too")
         glue(prefix + key, value, display=False)
 
 
