@@ -93,3 +93,29 @@ def test_the_command_line_prints_the_layouts(capsys):
     out = capsys.readouterr().out
     assert "cluster      layouts compared at 20 req/s" in out
     assert "1 prefill : 1 decode" in out and "colocated × 2" in out
+
+
+def test_cluster_goodput_bisects_to_the_highest_passing_rate():
+    """A layout that meets a TTFT target up to 7.3 req/s: the search brackets it from twice the offered rate."""
+    from kvlab.engine.metrics import RequestMetrics
+
+    class Run:
+        def __init__(self, rate):
+            latency = 0.05 if rate <= 7.3 else 0.5
+            self.requests = [RequestMetrics(0.0, 10, first_token_time=latency, finish_time=latency)]
+
+    found = plan.cluster_goodput(Run, plan.Targets(ttft_ms=100), offered=5.0, steps=12)
+    assert 7.3 - 10 / 2**12 <= found <= 7.3
+    # from 1 req/s: 2 and 4 pass, 8 fails, six halvings of [4, 8]
+    assert 7.3 - 4 / 2**6 <= plan.cluster_goodput(Run, plan.Targets(ttft_ms=100), offered=1.0) <= 7.3
+    # a top that still passes after MAX_WIDENINGS doublings is returned as it is, a lower bound
+    assert plan.cluster_goodput(Run, plan.Targets(ttft_ms=100), offered=0.1) == pytest.approx(3.2)
+    assert plan.cluster_goodput(Run, plan.Targets(ttft_ms=100), offered=200.0) == 0.0
+
+
+def test_goodput_in_the_report():
+    result = plan.plan_cluster(
+        MODEL, GPU, context=8192, workload=long_prompts(5.0), targets=TARGETS, disagg=(2, 2), goodput=True
+    )
+    assert all(row.goodput_rps is not None and row.goodput_rps > 0 for row in result.rows)
+    assert "goodput: DistServe's" in result.report()

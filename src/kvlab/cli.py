@@ -248,7 +248,7 @@ def plan_report(args: argparse.Namespace) -> str:
     if split is None and args.router is None:
         return result.report()
     layouts = plan.plan_cluster(
-        args.model, args.gpu, disagg=split, router=args.router, kv_link=args.kv_link, **common
+        args.model, args.gpu, disagg=split, router=args.router, kv_link=args.kv_link, goodput=True, **common
     )
     return result.report() + "\n" + layouts.report()
 

@@ -564,6 +564,8 @@ class ClusterRow:
     num_gpus: int
     summary: dict[str, float]
     attainment: float
+    # DistServe's goodput: the highest rate at which the targets hold (None: not searched)
+    goodput_rps: float | None = None
 
 
 @dataclass(frozen=True)
@@ -580,14 +582,20 @@ class ClusterPlan:
         lines = [
             f"cluster      layouts compared at {self.offered} (kvlab.planning.cluster; modelled, not measured); "
             f"P/D K/V over {self.link}",
-            f"  {'layout':<28} GPUs  TTFT p50/p99 ms     ITL p50/p99 ms   prefix hits  attain {p}",
+            f"  {'layout':<28} GPUs  TTFT p50/p99 ms     ITL p50/p99 ms   prefix hits  attain {p}"
+            "  goodput/GPU",
         ]
         for row in self.rows:
             s = row.summary
+            goodput = "" if row.goodput_rps is None else f"{row.goodput_rps / row.num_gpus:8.2f} req/s"
             lines.append(
                 f"  {row.layout:<28} {row.num_gpus:>4}  {s['p50_ttft_ms']:7.1f} / {s['p99_ttft_ms']:<8.1f}"
                 f" {s['p50_itl_ms']:6.1f} / {s['p99_itl_ms']:<7.1f}  {s['prefix_hit_rate']:10.1%}  "
-                f"{row.attainment:6.1%}"
+                f"{row.attainment:9.1%}  {goodput}"
+            )
+        if any(row.goodput_rps is not None for row in self.rows):
+            lines.append(
+                "  goodput: DistServe's (arXiv:2401.09670), the highest rate at which the targets hold, per GPU"
             )
         return "\n".join(lines)
 
@@ -617,12 +625,14 @@ def plan_cluster(
     max_gpus: int = 64,
     kv_link: str = DEFAULT_KV_LINK,
     prefix_blocks: int = 4,
+    goodput: bool = False,
 ) -> ClusterPlan:
     """Compare layouts of single-GPU engines on the workload's trace at its rate over the whole cluster.
 
     `disagg=(P, D)`: P prefill and D decode engines with K/V sent over `kv_link`, beside P + D colocated replicas
     (least-loaded). `router` with `dp`: `dp` colocated replicas under that policy of `kvlab.planning.router`,
-    beside round-robin. Each engine has one GPU's pool and vLLM's batch limits for the GPU."""
+    beside round-robin. Each engine has one GPU's pool and vLLM's batch limits for the GPU. With `goodput`,
+    each layout's DistServe goodput is searched too (`cluster_goodput`): about ten more runs a layout."""
     settings = settings or budget.BudgetSettings()
     chosen = check_layouts(settings, workload, disagg, router, dp, max_gpus, kv_link)
     acc = hardware.get(gpu) if isinstance(gpu, str) else gpu
@@ -644,27 +654,38 @@ def plan_cluster(
     cost = RooflineStepCost(config, acc, settings.weight_dtype, settings.kv_dtype)
     vocab = config.get_text_config(decoder=True).vocab_size
     assert workload.rate is not None
+    offered_rate = workload.rate
     try:
-        trace = workload.traces(vocab, max_model_len=context)(workload.rate)
+        trace_at = workload.traces(vocab, max_model_len=context)
+        trace = trace_at(offered_rate)
     except WorkloadError as err:
         raise PlanError(str(err)) from None
     rows = []
 
-    def add(layout: str, gpus: int, result: cluster.ClusterResult) -> None:
-        rows.append(
-            ClusterRow(layout, gpus, result.summary(targets.slo), targets.attainment(result.requests))
-        )
+    def add(layout: str, gpus: int, run: Callable[[list[TraceRequest]], cluster.ClusterResult]) -> None:
+        result = run(trace)
+        best = cluster_goodput(lambda rate: run(trace_at(rate)), targets, offered_rate) if goodput else None
+        summary = result.summary(targets.slo)
+        rows.append(ClusterRow(layout, gpus, summary, targets.attainment(result.requests), best))
 
     if disagg is not None:
         p, d = disagg
-        add(f"colocated × {p + d}", p + d, cluster.simulate_colocated(trace, cost, engine, p + d))
+        add(f"colocated × {p + d}", p + d, lambda t: cluster.simulate_colocated(t, cost, engine, p + d))
         transfer = cluster.Transfer.over(chosen, sizing.kv_bytes_per_token(config, settings.kv_dtype))
-        result = cluster.simulate_disaggregated(trace, cost, cost, engine, engine, p, d, transfer)
-        add(f"{p} prefill : {d} decode", p + d, result)
+        add(
+            f"{p} prefill : {d} decode",
+            p + d,
+            lambda t: cluster.simulate_disaggregated(t, cost, cost, engine, engine, p, d, transfer),
+        )
     if router is not None and dp is not None:
         for policy in dict.fromkeys(["round_robin", router]):
-            result = cluster.simulate_colocated(trace, cost, engine, dp, Router(policy, prefix_blocks))
-            add(f"{dp} replicas, {policy}", dp, result)
+            add(
+                f"{dp} replicas, {policy}",
+                dp,
+                lambda t, policy=policy: cluster.simulate_colocated(  # type: ignore[misc]
+                    t, cost, engine, dp, Router(policy, prefix_blocks)
+                ),
+            )
     offered = (
         f"{workload.rate:g} req/s, mean {workload.mean_input:g} in / {workload.mean_output:g} out tokens"
     )
@@ -699,3 +720,32 @@ def check_layouts(
         return find_link(kv_link)
     except ValueError as err:
         raise PlanError(str(err)) from None
+
+
+def cluster_goodput(
+    run: Callable[[float], cluster.ClusterResult], targets: Targets, offered: float, steps: int = 6
+) -> float:
+    """DistServe's goodput of one layout: the highest request rate at which `targets` hold, by bisection over
+    `run(rate)` (the same trace draw at each rate). The bracket starts at twice `offered` and doubles, at most
+    `MAX_WIDENINGS` times, while its top still passes; a top that still passes then is returned, a lower bound.
+    0.0 when not even a tenth of the offered rate passes."""
+
+    def ok(rate: float) -> bool:
+        return targets.met(run(rate).requests)
+
+    lo, hi = 0.0, 2 * offered
+    widened = 0
+    while ok(hi):
+        if widened == MAX_WIDENINGS:
+            return hi
+        lo, hi, widened = hi, 2 * hi, widened + 1
+    if lo == 0.0 and not ok(offered / 10):
+        return 0.0
+    lo = max(lo, offered / 10)
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
