@@ -195,3 +195,17 @@ def test_cost_policy_counts_requests_routed_and_still_waiting(llama, trace):
     result = router.run_policy(trace, llama, "kv_cost", REPLICAS, block_size=BLOCK, arrivals_per_step=None)
     assert max(result.requests_per_replica) < len(trace.requests)
     assert result.hit_tokens == router.predict_hits(trace, result.assignment, BLOCK)
+
+
+@pytest.mark.slow
+def test_prediction_holds_on_the_real_model():
+    """SmolLM2-135M as four replicas: the hits every policy gets still equal the prediction from the token ids."""
+    from kvlab.models import real_model
+
+    model, _ = real_model(device="cpu")
+    trace = router.multi_tenant_trace(
+        16, SYSTEM, SHARES, output_lens=(1, 2), vocab_size=model.config.vocab_size, seed=0
+    )
+    for policy, result in router.compare_policies(trace, model, REPLICAS, block_size=BLOCK).items():
+        assert result.evicted_blocks == 0, policy
+        assert result.hit_tokens == router.predict_hits(trace, result.assignment, BLOCK), policy
