@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.engine.llm_engine import LLMEngine
+from kvlab.engine.llm_engine import LLMEngine, RequestOutput
 from kvlab.engine.request import Request, SamplingParams
 from kvlab.engine.scheduler import ScheduledBatch
 
@@ -63,6 +63,15 @@ class KVCapture:
             if end == seq.num_prompt_tokens == len(seq.token_ids):
                 self.kv[str(seq.request_id)] = self.pool.read_tokens(seq.block_table, 0, end)
 
+    def take(self, out: RequestOutput, params: SamplingParams) -> Prefilled:
+        """A request the prefill engine has finished, as it travels: with its prompt's K/V (handed over, not
+        kept here) unless prefill alone finished it (eos, or one token asked for)."""
+        if out.finish_reason == "error":
+            raise ValueError(f"prefill of {out.request_id} failed: {out.error}")
+        done = out.finish_reason if out.finish_reason == "stop" or params.max_tokens == 1 else None
+        kv = None if done else self.kv.pop(out.request_id)
+        return Prefilled(out.request_id, out.prompt_token_ids, out.token_ids[0], done, kv)
+
 
 def prefill_params(params: SamplingParams) -> SamplingParams:
     """What the prefill instance runs a request with: greedy, one token (vLLM's P/D proxy sends max_tokens=1)."""
@@ -92,15 +101,7 @@ def prefill_all(
     capture = KVCapture(engine)
     first = prefill_params(params)
     seqs = [engine.add_request(list(p), first, request_id=f"req-{i}") for i, p in enumerate(prompts)]
-    outputs = engine.run_until_done(seqs)
-    items = []
-    for out in outputs:
-        if out.finish_reason == "error":
-            raise ValueError(f"prefill of {out.request_id} failed: {out.error}")
-        done = out.finish_reason if out.finish_reason == "stop" or params.max_tokens == 1 else None
-        kv = None if done else capture.kv.pop(out.request_id)
-        items.append(Prefilled(out.request_id, out.prompt_token_ids, out.token_ids[0], done, kv))
-    return items
+    return [capture.take(out, params) for out in engine.run_until_done(seqs)]
 
 
 def decode_all(engine: LLMEngine, items: Sequence[Prefilled], params: SamplingParams) -> list[list[int]]:

@@ -323,7 +323,7 @@ def _serve_prefill(
     capture = KVCapture(engine)
     outbox: queue.Queue[tuple[list[int], torch.Tensor | None] | None] = queue.Queue()
     sent: dict[int, float] = {}
-    sender = threading.Thread(target=_sender, args=(outbox, link, sent, not overlap), daemon=True)
+    sender = threading.Thread(target=_sender, args=(outbox, link, sent, False), daemon=True)
     if overlap:
         sender.start()
     arrival = time.perf_counter()
@@ -335,27 +335,24 @@ def _serve_prefill(
     while engine.has_unfinished_requests():
         for out in engine.step():
             now = time.perf_counter()
-            if out.finish_reason == "error":
-                raise ValueError(f"prefill of {out.request_id} failed: {out.error}")
+            item = capture.take(out, params)
             times[out.request_id] = (arrival, now)
-            done = out.finish_reason == "stop" or params.max_tokens == 1
-            kv = None if done else capture.kv.pop(out.request_id)
-            nbytes = 0 if kv is None else kv.numel() * kv.element_size()
+            done = int(item.finish_reason is not None)
             header = [
                 index[out.request_id],
                 len(out.prompt_token_ids),
-                out.token_ids[0],
-                int(done),
-                nbytes,
+                item.first_token,
+                done,
+                item.kv_bytes,
                 0,
             ]
-            outbox.put((header, kv))
+            outbox.put((header, item.kv))
     outbox.put(None)
     if overlap:
         sender.join()
     else:
-        # Every prompt is prefilled: the transfers run now, one at a time.
-        sender.run()
+        # Every prompt is prefilled: the transfers run now, one at a time, each acknowledged.
+        _sender(outbox, link, sent, True)
     return {rid: (*times[rid], sent[i]) for rid, i in index.items()}
 
 
@@ -387,12 +384,11 @@ def _serve_decode(
         raise ValueError("the decode engine needs a KV pool")
     pool = engine.pool
     inbox: queue.Queue[tuple[list[int], torch.Tensor | None, float, float] | None] = queue.Queue()
-    receiver = threading.Thread(target=_receiver, args=(inbox, staging, not overlap), daemon=True)
     if overlap:
-        receiver.start()
+        threading.Thread(target=_receiver, args=(inbox, staging, False), daemon=True).start()
     else:
         # Everything lands before the first decode step.
-        receiver.run()
+        _receiver(inbox, staging, True)
     traces: dict[int, RequestTrace] = {}
     index = {f"req-{i}": i for i in range(len(prompts))}
     open_stream = True

@@ -536,13 +536,20 @@ def _goodput(
         result = run(dp, rate, True, None)
         return not result.stopped and targets.met(result.requests)
 
-    lo = met_at or 0.0
+    return _highest_passing(ok, met_at or 0.0, hi, workload.num_requests > BURST_REQUESTS)
+
+
+def _highest_passing(
+    ok: Callable[[float], bool], lo: float, hi: float, may_widen: bool = True, steps: int = 6
+) -> float:
+    """The highest rate `ok` passes, searched in [lo, hi]: while `hi` passes it doubles, at most `MAX_WIDENINGS`
+    times (never unless `may_widen`), and a top that still passes is returned; then `steps` bisections."""
     widened = 0
     while ok(hi):
-        if workload.num_requests <= BURST_REQUESTS or widened == MAX_WIDENINGS:
+        if not may_widen or widened == MAX_WIDENINGS:
             return hi
         lo, hi, widened = hi, 2 * hi, widened + 1
-    for _ in range(6):
+    for _ in range(steps):
         mid = (lo + hi) / 2
         if ok(mid):
             lo = mid
@@ -733,19 +740,6 @@ def cluster_goodput(
     def ok(rate: float) -> bool:
         return targets.met(run(rate).requests)
 
-    lo, hi = 0.0, 2 * offered
-    widened = 0
-    while ok(hi):
-        if widened == MAX_WIDENINGS:
-            return hi
-        lo, hi, widened = hi, 2 * hi, widened + 1
-    if lo == 0.0 and not ok(offered / 10):
+    if not ok(offered / 10):
         return 0.0
-    lo = max(lo, offered / 10)
-    for _ in range(steps):
-        mid = (lo + hi) / 2
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return _highest_passing(ok, offered / 10, 2 * offered, steps=steps)
