@@ -2,8 +2,9 @@
 
 One decode step of `batch` sequences, each with `context` cached tokens, for one layer. Contiguous: K and V
 already laid out as `(batch, kv_heads, context, head_dim)`, one SDPA call. Paged: the same K/V scattered over
-randomly permuted blocks of a pool; the step writes the new token through the slot mapping and gathers each
-sequence's blocks (one `index_select` into a reused workspace) before the same SDPA call (`kvlab.engine.kv_pool.paged_attention_forward`).
+randomly permuted blocks of a pool; the step writes the new token through the slot mapping and gathers the
+sequences' blocks (one `index_select` per run of at most `kv_pool.GATHER_CHUNK_BYTES` of K and V, into a reused
+workspace) before an SDPA call per run (`kvlab.engine.kv_pool.paged_attention_forward`).
 
     .venv/bin/python benchmarks/bench_paged_attention.py
 """
@@ -11,6 +12,7 @@ sequence's blocks (one `index_select` into a reused workspace) before the same S
 from __future__ import annotations
 
 import argparse
+import statistics
 from types import SimpleNamespace
 
 import torch
@@ -85,15 +87,21 @@ def main() -> None:
         f"{'batch':>5} {'context':>7} {'contig ms':>10} {'grouped ms':>10} {'paged ms':>9} "
         f"{'paged/contig':>12} {'paged/grouped':>13} {'max err':>9}"
     )
+    ratios = []
     for batch, context in [(1, 512), (8, 512), (8, 2048), (32, 1024)]:
         times, error = bench(
             batch, context, args.heads, args.kv_heads, args.head_dim, args.block_size, args.repeat
         )
         c, g, p = (times[name] * 1e3 for name in ("contiguous", "grouped", "paged"))
+        ratios.append((p / c, p / g))
         print(
             f"{batch:>5} {context:>7} {c:>10.3f} {g:>10.3f} {p:>9.3f} {p / c:>12.2f} {p / g:>13.2f}"
             f" {error:>9.1e}"
         )
+    print(
+        f"median over shapes: paged/contig {statistics.median(r[0] for r in ratios):.2f}, "
+        f"paged/grouped {statistics.median(r[1] for r in ratios):.2f}"
+    )
 
 
 if __name__ == "__main__":

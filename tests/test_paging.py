@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.costs.workloads import resident_lengths, synthetic_trace
-from kvlab.engine import LLMEngine
+from kvlab.engine import LLMEngine, kv_pool
 from kvlab.engine.kv_pool import (
     ATTN_IMPLEMENTATION,
     KVPool,
@@ -37,9 +37,14 @@ def _reference(q, k, v, q_len, window=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
+@pytest.mark.parametrize("gather_blocks", [None, 4, 0])
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_attention_matches_contiguous_sdpa(window):
-    """Mixed step: two decodes and two prefill chunks (one with a cached prefix), blocks scattered in the pool."""
+def test_paged_attention_matches_contiguous_sdpa(window, gather_blocks, monkeypatch):
+    """Mixed step: five decodes and two prefill chunks (one with a cached prefix), blocks scattered in the pool;
+    read in one gather, in gathers of at most 4 blocks, and one sequence at a time."""
+    if gather_blocks is not None:
+        block_bytes = BLOCK * KV_HEADS * HEAD_DIM * 4
+        monkeypatch.setattr(kv_pool, "GATHER_CHUNK_BYTES", 2 * block_bytes * gather_blocks)
     gen = torch.Generator().manual_seed(0)
     shape = KVShape(num_layers=1, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
     pool = KVPool(shape, num_blocks=64, block_size=BLOCK)
@@ -63,7 +68,15 @@ def test_paged_attention_matches_contiguous_sdpa(window):
         [s for (c, n), t in zip(plan, tables, strict=True) for s in slots_for(t, c, c + n, BLOCK)]
     )
     ctx = PagedContext.build(pool, slot_mapping, [n for _, n in plan], [c + n for c, n in plan], tables)
-    assert len(ctx.decodes) == 2, "long and short decodes attend in separate groups"
+    if gather_blocks is None:
+        assert len(ctx.decodes) == 2, "long and short decodes attend in separate groups"
+        assert len(ctx.gathers) == 1, "one copy per layer when everything fits"
+    else:
+        # Decode groups are cut into sequences whose blocks fit a gather; a part never straddles two
+        assert [g.num_seqs for g in ctx.decodes] == [1] * 5
+        # 4 blocks: the 3- and 1-block decodes share a gather
+        expected = [16, 15, 4, 3, 1, 3] if gather_blocks == 0 else [16, 15, 4, 4, 3]
+        assert [len(g) for g in ctx.gathers] == expected
     step_k = torch.cat([k[:, :, c:] for k, (c, _) in zip(full_k, plan, strict=True)], dim=2)
     step_v = torch.cat([v[:, :, c:] for v, (c, _) in zip(full_v, plan, strict=True)], dim=2)
     out, _ = paged_attention_forward(
@@ -264,6 +277,8 @@ def test_paged_context_declares_decode_groups_and_prefill_chunks():
         "block_ids",
         "decodes",
         "prefills",
+        # block_ids cut into the runs a layer copies at once
+        "gathers",
         "by_layer",  # one context per KV-cache group, for hybrid models (None otherwise)
     }
     assert ctx.by_layer is None

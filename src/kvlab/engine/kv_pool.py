@@ -18,8 +18,9 @@ one), so the mask transformers prepares is never built on that path. A call with
 while and after an engine runs on it.
 
 What keeps it fast on a CPU: the block indices are built once per step and shared by all layers; each layer reads
-every block it needs with one `index_select` per K and V into a workspace reused across layers and steps (a fresh
-allocation per layer costs more than the copy); and a prefill chunk with nothing cached before it attends to the
+the blocks it needs with one `index_select` per K and V per run of at most `GATHER_CHUNK_BYTES` (one run on a GPU)
+into a workspace reused across runs, layers and steps (a fresh allocation per layer costs more than the copy, and a
+small run is still in cache when SDPA reads it); and a prefill chunk with nothing cached before it attends to the
 step's own K and V without reading the pool back at all.
 """
 
@@ -141,12 +142,26 @@ class KVPool:
         self.workspace = torch.empty(
             2, 0, block_size * shape.kv_heads * shape.head_dim, dtype=dtype, device=device
         )
+        # Per layer row, K and V viewed by slot and by block, made once: a view per call costs as much as the
+        # copy of a decode step's token
+        codes = self.kv.view(torch.uint8) if self.format.quantized else self.kv
+        self._by_slot = [
+            [codes[row, i].view(-1, *self.kv.shape[4:]) for i in (0, 1)] for row in range(shape.num_layers)
+        ]
+        self._by_block = [
+            [codes[row, i].view(num_blocks, -1) for i in (0, 1)] for row in range(shape.num_layers)
+        ]
 
     @staticmethod
     def bytes_per_token(shape: KVShape, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
         """Bytes of one token slot: every layer row, K and V, each head's codes plus scale when quantized."""
         per_head = pool_format(kv_cache_dtype).bytes_per_head_token(shape.head_dim, dtype)
         return shape.num_layers * 2 * shape.kv_heads * per_head
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block of K (or of V) of one layer takes once gathered, in the model's dtype."""
+        return self.workspace.shape[2] * self.workspace.element_size()
 
     @property
     def nbytes(self) -> int:
@@ -166,16 +181,15 @@ class KVPool:
         """Store `(tokens, kv_heads, head_dim)` K and V at flat slot indices `block * block_size + offset`."""
         row = self.shape.row(layer_idx)
         for i, x in enumerate((key, value)):
-            pool = self.kv[row, i]
-            flat = pool.view(-1, *pool.shape[2:])
+            flat = self._by_slot[row][i]
             if self.scales is None:
-                flat.index_copy_(0, slots, x.to(pool.dtype))
+                flat.index_copy_(0, slots, x if x.dtype == flat.dtype else x.to(flat.dtype))
                 continue
             assert self.format.quantize is not None
             codes, scale = self.format.quantize(x)
-            # index_copy_ has no float8 kernel on CPU: copy the codes as bytes.
-            flat.view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))
-            self.scales[row, i].view(-1, pool.shape[2]).index_copy_(0, slots, scale[..., 0])
+            # index_copy_ has no float8 kernel on CPU: the codes are copied as bytes
+            flat.index_copy_(0, slots, codes.view(torch.uint8))
+            self.scales[row, i].view(-1, self.shape.kv_heads).index_copy_(0, slots, scale[..., 0])
 
     def read_tokens(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """A copy of K and V of token positions `start..end-1` of a sequence with this block table, as
@@ -217,18 +231,18 @@ class KVPool:
                 2, max(n, 2 * self.workspace.shape[1]), self.workspace.shape[2]
             )
         row = self.shape.row(layer_idx)
+        block_shape = (n, *self.kv.shape[3:])
         out = []
-        for i, buffer in enumerate(self.workspace):
-            pool = self.kv[row, i]
+        for i, pool in enumerate(self._by_block[row]):
+            rows = self.workspace[i, :n]
             if self.scales is None:
-                rows = torch.index_select(pool.view(pool.shape[0], -1), 0, block_ids, out=buffer[:n])
+                torch.index_select(pool, 0, block_ids, out=rows)
             else:
-                codes = torch.index_select(pool.view(torch.uint8).view(pool.shape[0], -1), 0, block_ids)
-                scales = torch.index_select(self.scales[row, i].view(pool.shape[0], -1), 0, block_ids)
-                rows = buffer[:n]
-                rows.copy_(codes.view(pool.dtype))
-                rows.view(n, -1, pool.shape[-1]).mul_(scales.view(n, -1, 1))
-            out.append(rows.view(n, *pool.shape[1:]))
+                codes = torch.index_select(pool, 0, block_ids)
+                scales = torch.index_select(self.scales[row, i].view(self.num_blocks, -1), 0, block_ids)
+                rows.copy_(codes.view(self.kv.dtype))
+                rows.view(n, -1, self.shape.head_dim).mul_(scales.view(n, -1, 1))
+            out.append(rows.view(block_shape))
         return out[0], out[1]
 
 
@@ -265,6 +279,9 @@ class DecodeGroup:
     uniform: bool
     # Per window, built on first use
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+    # Which of the step's gathers holds its blocks, and its rows there
+    unit: int = 0
+    rows: slice = field(default_factory=lambda: slice(0))
 
     @property
     def num_seqs(self) -> int:
@@ -286,6 +303,12 @@ class DecodeGroup:
 
 # One more SDPA call costs about as much as padding this many block rows
 GROUP_COST_BLOCKS = 8
+
+# On a CPU, a decode group reads its K and V in chunks of sequences of at most this many bytes (at least one
+# sequence): the copy lands in a workspace small enough to stay in cache until SDPA reads it, instead of going
+# out to memory and back. With one thread this cut paged attention from 2.0x to 1.6x contiguous SDPA
+# (benchmarks/bench_paged_attention.py). A GPU reads each group in one gather: a call there costs a kernel launch.
+GATHER_CHUNK_BYTES = 16 << 20
 
 
 def split_by_width(widths: list[int], group_cost: int = GROUP_COST_BLOCKS) -> list[int]:
@@ -318,6 +341,9 @@ class PrefillChunk:
     blocks: slice | None
     # Per window, built on first use
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+    # Which of the step's gathers holds its blocks, and its rows there
+    unit: int = 0
+    rows: slice = field(default_factory=lambda: slice(0))
 
     @property
     def end(self) -> int:
@@ -353,6 +379,8 @@ class PagedContext:
     block_ids: torch.Tensor
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    # `block_ids` cut into the runs a layer gathers at once (one run on a GPU)
+    gathers: list[torch.Tensor]
     # Hybrid models: each layer's group's context (own block tables)
     by_layer: list[PagedContext] | None = None
 
@@ -373,9 +401,16 @@ class PagedContext:
         decode = sorted((i for i, q in enumerate(query_lens) if q == 1), key=lambda i: -len(block_tables[i]))
         block_ids: list[int] = []
         groups = []
+        chunks = []
         begin = 0
         for end in split_by_width([len(block_tables[i]) for i in decode]):
-            members = decode[begin:end]
+            width = len(block_tables[decode[begin]])
+            step = (
+                max(1, GATHER_CHUNK_BYTES // (2 * width * pool.block_bytes)) if device.type == "cpu" else end
+            )
+            chunks += [decode[first : min(first + step, end)] for first in range(begin, end, step)]
+            begin = end
+        for members in chunks:
             width, first = len(block_tables[members[0]]), len(block_ids)
             # Padding entries point at block 0; the key mask hides them
             for i in members:
@@ -394,7 +429,6 @@ class PagedContext:
                     uniform=min(lens) == max(lens),
                 )
             )
-            begin = end
         prefills = []
         for i, q in enumerate(query_lens):
             if q == 1:
@@ -406,7 +440,20 @@ class PagedContext:
                 block_ids += block_tables[i]
             prefills.append(PrefillChunk(starts[i], q, context_lens[i], rows))
         ids = torch.tensor(block_ids, dtype=torch.long, device=device)
-        return cls(pool, slot_mapping, ids, groups, prefills)
+        # Consecutive parts share a gather while their K and V fit the chunk size (all of them on a GPU)
+        limit = GATHER_CHUNK_BYTES // (2 * pool.block_bytes) if device.type == "cpu" else len(block_ids)
+        cuts: list[int] = [0]
+        parts: list[DecodeGroup | PrefillChunk] = [*groups, *prefills]
+        for part in parts:
+            rows = part.blocks
+            if rows is None:
+                continue
+            if rows.stop - cuts[-1] > limit and rows.start > cuts[-1]:
+                cuts.append(rows.start)
+            part.unit, part.rows = len(cuts) - 1, slice(rows.start - cuts[-1], rows.stop - cuts[-1])
+        cuts.append(len(block_ids))
+        gathers = [ids[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+        return cls(pool, slot_mapping, ids, groups, prefills, gathers)
 
 
 def paged_attention_forward(
@@ -443,16 +490,19 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)
     ctx.pool.write(layer, ctx.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
     gqa = query.shape[1] != key.shape[1]
-    k_blocks, v_blocks = ctx.pool.gather(layer, ctx.block_ids) if len(ctx.block_ids) else (None, None)
     whole = len(ctx.decodes) == 1 and not ctx.prefills and isinstance(ctx.decodes[0].tokens, slice)
     # A step of decodes only returns the group's output as is
     out = None if whole else torch.empty_like(q)
-    kv_heads = key.shape[1]
+    kv_heads, head_dim = key.shape[1], key.shape[3]
+    # The gather in the workspace, by its index in `ctx.gathers`
+    loaded = -1
     for group in ctx.decodes:
-        assert k_blocks is not None and v_blocks is not None
+        if group.unit != loaded:
+            k_blocks, v_blocks = ctx.pool.gather(layer, ctx.gathers[group.unit])
+            loaded = group.unit
         # (seqs, kv_heads, keys, head_dim), views of the gathered blocks
         k, v = (
-            b[group.blocks].view(group.num_seqs, -1, *b.shape[2:])[:, : group.num_keys].transpose(1, 2)
+            b[group.rows].view(group.num_seqs, -1, kv_heads, head_dim)[:, : group.num_keys].transpose(1, 2)
             for b in (k_blocks, v_blocks)
         )
         # One query token per sequence: the query heads that share a KV head become that head's query rows
@@ -464,17 +514,19 @@ def paged_attention_forward(
             queries, k, v, attn_mask=group.mask(sliding_window), scale=scaling
         ).reshape(group.num_seqs, -1, q.shape[-1])
         if out is None:
-            return o.to(query.dtype)[None], None
-        out[group.tokens] = o.to(out.dtype)
+            return o[None], None
+        out[group.tokens] = o
     assert out is not None
     for chunk in ctx.prefills:
         # Nothing cached before it: its K/V are this step's
         if chunk.blocks is None:
             k, v = key[:, :, chunk.start : chunk.end], value[:, :, chunk.start : chunk.end]
         else:
-            assert k_blocks is not None and v_blocks is not None
+            if chunk.unit != loaded:
+                k_blocks, v_blocks = ctx.pool.gather(layer, ctx.gathers[chunk.unit])
+                loaded = chunk.unit
             k, v = (
-                b[chunk.blocks].flatten(0, 1)[: chunk.context_len].transpose(0, 1)[None]
+                b[chunk.rows].flatten(0, 1)[: chunk.context_len].transpose(0, 1)[None]
                 for b in (k_blocks, v_blocks)
             )
         mask = chunk.mask(sliding_window, q.device)
@@ -482,7 +534,7 @@ def paged_attention_forward(
             q[chunk.start : chunk.end].transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=mask is None,
             scale=scaling, enable_gqa=gqa,
         )  # fmt: skip
-        out[chunk.start : chunk.end] = o[0].transpose(0, 1).to(out.dtype)
+        out[chunk.start : chunk.end] = o[0].transpose(0, 1)
     return out[None], None
 
 
