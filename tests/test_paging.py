@@ -292,9 +292,13 @@ def test_paged_context_declares_decode_groups_and_prefill_chunks():
     assert [(c.start, c.query_len, c.context_len) for c in ctx.prefills] == [(1, 3, 3), (5, 3, 5)]
     assert ctx.prefills[0].blocks is None, "nothing cached: the chunk attends to the step's own K/V"
     assert ctx.block_ids.tolist() == [1, 2, 5, 6, 7, 0, 2] and ctx.prefills[1].blocks == slice(4, 7)
-    assert group.mask(None).shape == (2, 1, 1, 4) and ctx.prefills[0].mask(None, torch.device("cpu")) is None
+    assert group.mask(None, torch.float32).shape == (2, 1, 1, 4)
+    assert ctx.prefills[0].mask(None, torch.device("cpu"), torch.float32) is None
     only_decodes = PagedContext.build(pool, torch.zeros(2, dtype=torch.long), [1, 1], [2, 2], [[1], [2]])
-    assert only_decodes.decodes[0].tokens == slice(0, 2) and only_decodes.decodes[0].mask(None) is None
+    assert (
+        only_decodes.decodes[0].tokens == slice(0, 2)
+        and only_decodes.decodes[0].mask(None, torch.float32) is None
+    )
     assert only_decodes.prefills == []
 
 

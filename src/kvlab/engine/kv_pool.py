@@ -221,9 +221,20 @@ class KVPool:
     def gather(self, layer_idx: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of these blocks as `(len(block_ids), block_size, kv_heads, head_dim)` each, in the model's dtype.
 
-        They are views of the workspace, valid until the next gather: one `index_select` per pool (a memcpy per
-        block), into memory that is already mapped, instead of a new allocation in every layer of every step. A
-        quantized pool's codes and scales are selected the same way, then dequantized into the workspace.
+        They are views of the workspace, valid until the next gather (`load`).
+        """
+        self.load(layer_idx, block_ids)
+        n = block_ids.numel()
+        return self.workspace[0, :n].view(n, *self.kv.shape[3:]), self.workspace[1, :n].view(
+            n, *self.kv.shape[3:]
+        )
+
+    def load(self, layer_idx: int, block_ids: torch.Tensor) -> None:
+        """Copy K and V of these blocks into the first rows of `workspace`, in the model's dtype.
+
+        One `index_select` per pool (a memcpy per block), into memory that is already mapped, instead of a new
+        allocation in every layer of every step. A quantized pool's codes and scales are selected the same way, then
+        dequantized into the workspace.
         """
         n = block_ids.numel()
         if self.workspace.shape[1] < n:
@@ -231,19 +242,15 @@ class KVPool:
                 2, max(n, 2 * self.workspace.shape[1]), self.workspace.shape[2]
             )
         row = self.shape.row(layer_idx)
-        block_shape = (n, *self.kv.shape[3:])
-        out = []
         for i, pool in enumerate(self._by_block[row]):
             rows = self.workspace[i, :n]
             if self.scales is None:
                 torch.index_select(pool, 0, block_ids, out=rows)
-            else:
-                codes = torch.index_select(pool, 0, block_ids)
-                scales = torch.index_select(self.scales[row, i].view(self.num_blocks, -1), 0, block_ids)
-                rows.copy_(codes.view(self.kv.dtype))
-                rows.view(n, -1, self.shape.head_dim).mul_(scales.view(n, -1, 1))
-            out.append(rows.view(block_shape))
-        return out[0], out[1]
+                continue
+            codes = torch.index_select(pool, 0, block_ids)
+            scales = torch.index_select(self.scales[row, i].view(self.num_blocks, -1), 0, block_ids)
+            rows.copy_(codes.view(self.kv.dtype))
+            rows.view(n, -1, self.shape.head_dim).mul_(scales.view(n, -1, 1))
 
 
 def slots_for(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -251,12 +258,16 @@ def slots_for(block_table: list[int], start: int, end: int, block_size: int) -> 
     return [block_table[pos // block_size] * block_size + pos % block_size for pos in range(start, end)]
 
 
-def _causal_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Keys at or before each query, and within the last `window` positions if any (transformers' sliding window)."""
-    mask = key_pos <= query_pos
+def _causal_mask(
+    query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """0 for keys at or before each query, and within the last `window` positions if any (transformers' sliding
+    window), -inf for the others: the additive form, which SDPA would otherwise make from a boolean mask in every
+    layer."""
+    hidden = key_pos > query_pos
     if window is not None:
-        mask &= key_pos > query_pos - window
-    return mask
+        hidden |= key_pos <= query_pos - window
+    return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(hidden, float("-inf"))
 
 
 @dataclass
@@ -282,22 +293,36 @@ class DecodeGroup:
     # Which of the step's gathers holds its blocks, and its rows there
     unit: int = 0
     rows: slice = field(default_factory=lambda: slice(0))
+    # Its K and V views of the workspace they were made on: every layer gathers into the same rows
+    views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.context_lens)
 
-    def mask(self, window: int | None) -> torch.Tensor | None:
-        """(seqs, 1, 1, keys): real keys at or before the query, within the window if any; None when all are."""
+    def keys_values(self, workspace: torch.Tensor, shape: KVShape) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seqs, kv_heads, keys, head_dim) views of its gathered K and V."""
+        if self.views is None or self.views[0] is not workspace:
+            k, v = (
+                w[self.rows]
+                .view(self.num_seqs, -1, shape.kv_heads, shape.head_dim)[:, : self.num_keys]
+                .transpose(1, 2)
+                for w in workspace
+            )
+            self.views = (workspace, k, v)
+        return self.views[1], self.views[2]
+
+    def mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """(seqs, 1, 1, keys) additive mask: real keys at or before the query, within the window if any; None when
+        all keys are."""
         if window not in self.masks:
             if self.uniform and (window is None or window >= self.num_keys):
                 # Lets SDPA take its unmasked (fastest) kernel
                 self.masks[window] = None
             else:
                 key = torch.arange(self.num_keys, device=self.context_lens.device)[None, :]
-                self.masks[window] = _causal_mask((self.context_lens - 1)[:, None], key, window)[
-                    :, None, None
-                ]
+                query = (self.context_lens - 1)[:, None]
+                self.masks[window] = _causal_mask(query, key, window, dtype)[:, None, None]
         return self.masks[window]
 
 
@@ -344,13 +369,27 @@ class PrefillChunk:
     # Which of the step's gathers holds its blocks, and its rows there
     unit: int = 0
     rows: slice = field(default_factory=lambda: slice(0))
+    # Its K and V views of the workspace they were made on: every layer gathers into the same rows
+    views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def end(self) -> int:
         return self.start + self.query_len
 
-    def mask(self, window: int | None, device: torch.device) -> torch.Tensor | None:
-        """(1, 1, queries, keys) causal mask; None for a plain causal chunk (SDPA's `is_causal` does it)."""
+    def keys_values(self, workspace: torch.Tensor, shape: KVShape) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1, kv_heads, context, head_dim) views of its gathered K and V."""
+        if self.views is None or self.views[0] is not workspace:
+            k, v = (
+                w[self.rows]
+                .view(-1, shape.kv_heads, shape.head_dim)[: self.context_len]
+                .transpose(0, 1)[None]
+                for w in workspace
+            )
+            self.views = (workspace, k, v)
+        return self.views[1], self.views[2]
+
+    def mask(self, window: int | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        """(1, 1, queries, keys) additive causal mask; None for a plain causal chunk (SDPA's `is_causal` does it)."""
         if window not in self.masks:
             if self.blocks is None and (window is None or window >= self.context_len):
                 self.masks[window] = None
@@ -359,7 +398,7 @@ class PrefillChunk:
                     :, None
                 ]
                 key = torch.arange(self.context_len, device=device)[None, :]
-                self.masks[window] = _causal_mask(query, key, window)[None, None]
+                self.masks[window] = _causal_mask(query, key, window, dtype)[None, None]
         return self.masks[window]
 
 
@@ -486,50 +525,44 @@ def paged_attention_forward(
     ctx, layer = paged_context, int(module.layer_idx)  # type: ignore[arg-type]
     if ctx.by_layer is not None:
         ctx = ctx.by_layer[layer]
+    pool = ctx.pool
     # (tokens, heads, head_dim)
     q = query[0].transpose(0, 1)
-    ctx.pool.write(layer, ctx.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    gqa = query.shape[1] != key.shape[1]
-    whole = len(ctx.decodes) == 1 and not ctx.prefills and isinstance(ctx.decodes[0].tokens, slice)
+    pool.write(layer, ctx.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    decodes, prefills = ctx.decodes, ctx.prefills
     # A step of decodes only returns the group's output as is
+    whole = len(decodes) == 1 and not prefills and isinstance(decodes[0].tokens, slice)
     out = None if whole else torch.empty_like(q)
-    kv_heads, head_dim = key.shape[1], key.shape[3]
     # The gather in the workspace, by its index in `ctx.gathers`
     loaded = -1
-    for group in ctx.decodes:
+    for group in decodes:
         if group.unit != loaded:
-            k_blocks, v_blocks = ctx.pool.gather(layer, ctx.gathers[group.unit])
+            pool.load(layer, ctx.gathers[group.unit])
             loaded = group.unit
-        # (seqs, kv_heads, keys, head_dim), views of the gathered blocks
-        k, v = (
-            b[group.rows].view(group.num_seqs, -1, kv_heads, head_dim)[:, : group.num_keys].transpose(1, 2)
-            for b in (k_blocks, v_blocks)
-        )
+        k, v = group.keys_values(pool.workspace, pool.shape)
         # One query token per sequence: the query heads that share a KV head become that head's query rows
         # (seqs, kv_heads, heads per KV head, head_dim), so SDPA reads each KV head once. Query head i uses KV
         # head i // (heads / kv_heads), as transformers' repeat_kv has it. On this CPU (torch 2.13) that call took
         # half the time of the same SDPA with enable_gqa (benchmarks/bench_paged_attention.py prints both).
-        queries = q[group.tokens].view(group.num_seqs, kv_heads, -1, q.shape[-1])
+        queries = q[group.tokens].view(group.num_seqs, k.shape[1], -1, q.shape[-1])
         o = F.scaled_dot_product_attention(
-            queries, k, v, attn_mask=group.mask(sliding_window), scale=scaling
+            queries, k, v, attn_mask=group.mask(sliding_window, q.dtype), scale=scaling
         ).reshape(group.num_seqs, -1, q.shape[-1])
         if out is None:
             return o[None], None
         out[group.tokens] = o
     assert out is not None
-    for chunk in ctx.prefills:
+    gqa = query.shape[1] != key.shape[1]
+    for chunk in prefills:
         # Nothing cached before it: its K/V are this step's
         if chunk.blocks is None:
             k, v = key[:, :, chunk.start : chunk.end], value[:, :, chunk.start : chunk.end]
         else:
             if chunk.unit != loaded:
-                k_blocks, v_blocks = ctx.pool.gather(layer, ctx.gathers[chunk.unit])
+                pool.load(layer, ctx.gathers[chunk.unit])
                 loaded = chunk.unit
-            k, v = (
-                b[chunk.rows].flatten(0, 1)[: chunk.context_len].transpose(0, 1)[None]
-                for b in (k_blocks, v_blocks)
-            )
-        mask = chunk.mask(sliding_window, q.device)
+            k, v = chunk.keys_values(pool.workspace, pool.shape)
+        mask = chunk.mask(sliding_window, q.device, q.dtype)
         o = F.scaled_dot_product_attention(
             q[chunk.start : chunk.end].transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=mask is None,
             scale=scaling, enable_gqa=gqa,

@@ -221,7 +221,14 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampled: list[Request] = []
         bs = self.block_size
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        # Decodes first, longest context first, as `PagedContext.build` groups them: each decode group is then a
+        # slice of the flat batch, which attention reads and writes without an index
+        order = sorted(
+            range(len(batch.seqs)),
+            key=lambda i: (batch.num_new_tokens[i] != 1, -batch.seqs[i].num_computed_tokens),
+        )
+        for i in order:
+            seq, n = batch.seqs[i], batch.num_new_tokens[i]
             if seq.external is not None:
                 self.load_external(seq)
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
@@ -239,7 +246,7 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(seq)
         device = self.device
-        ctx = self._context(self.pool, slots, list(batch.num_new_tokens), context_lens, tables)
+        ctx = self._context(self.pool, slots, [batch.num_new_tokens[i] for i in order], context_lens, tables)
         logits = self.forward(
             torch.tensor([ids], device=device),
             torch.tensor([positions], device=device),
@@ -247,7 +254,10 @@ class ModelRunner:
             torch.tensor(sample_rows, dtype=torch.long, device=device),
         )
         tokens, top_ids = self.sample(sampled, logits[0].float())
-        return RunnerOutput(sampled, tokens, top_ids)
+        # Back in the batch's order, in which the scheduler finishes them
+        rank = {id(seq): i for i, seq in enumerate(batch.seqs)}
+        back = sorted(range(len(sampled)), key=lambda j: rank[id(sampled[j])])
+        return RunnerOutput([sampled[j] for j in back], [tokens[j] for j in back], [top_ids[j] for j in back])
 
     def load_external(self, seq: Request) -> None:
         """Write the K/V another engine computed for `seq` into its blocks, past what its prefix-cache hit
