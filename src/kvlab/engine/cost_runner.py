@@ -12,6 +12,7 @@ as in vLLM's serving benchmarks.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from kvlab.engine.kv_pool import KVPool
 from kvlab.engine.request import Request
@@ -37,27 +38,23 @@ class CostRunner:
         self.step_seconds: list[float] = []
         # Each running sequence's placeholder token: one int object per sequence, not one per output token
         # (20,000 requests of a few hundred tokens would otherwise hold millions of them).
-        self._placeholder: dict[int, int] = {}
+        self._placeholder: dict[Request, int] = {}
 
     def run(self, batch: ScheduledBatch) -> RunnerOutput:
         contexts = batch.context_lens()
         seconds = float(self.cost(batch.num_new_tokens, contexts))
         self.step_seconds.append(seconds)
-        if batch.num_partial:
-            sampled = [
-                seq for seq, end in zip(batch.seqs, contexts, strict=True) if end == len(seq.token_ids)
-            ]
-        else:
-            # Every scheduled sequence reaches its last token, so every one samples (the common decode step).
-            sampled = list(batch.seqs)
-        get = self._placeholder.get
-        tokens = [get(seq.seq_id) or self._new_placeholder(seq) for seq in sampled]
-        return RunnerOutput(sampled, tokens, [None] * len(sampled), seconds)
+        sampled = batch.sampled()
+        # map() in C, not a comprehension: this runs once per sequence per step.
+        known = list(map(self._placeholder.get, sampled))
+        if None in known:
+            known = [self._placeholder.get(seq) or self._new_placeholder(seq) for seq in sampled]
+        return RunnerOutput(sampled, cast(list[int], known), None, seconds)
 
     def _new_placeholder(self, seq: Request) -> int:
-        token = self._placeholder[seq.seq_id] = 2 + seq.seq_id % 1_000_003
+        token = self._placeholder[seq] = 2 + seq.seq_id % 1_000_003
         return token
 
     def release(self, seq: Request) -> None:
         """Forget the sequence's placeholder token."""
-        self._placeholder.pop(seq.seq_id, None)
+        self._placeholder.pop(seq, None)

@@ -98,6 +98,26 @@ class ScheduledBatch:
         """Each sequence's context once the step has run (read before `Scheduler.postprocess` advances it)."""
         return self.contexts
 
+    def sampled(self) -> list[Request]:
+        """The sequences whose scheduled tokens reach their last token: each samples one, in batch order."""
+        seqs, contexts = self.seqs, self.contexts
+        if not self.num_partial:
+            return list(seqs)
+        # A token budget cuts at most the last sequence scheduled short (the usual chunked step): no scan.
+        if self.num_partial == 1 and contexts[-1] < len(seqs[-1].token_ids):
+            return seqs[:-1]
+        return [seq for seq, end in zip(seqs, contexts, strict=True) if end == len(seq.token_ids)]
+
+    def chunks(self) -> list[tuple[Request, int]]:
+        """The sequences scheduled short of their last token (prompt chunks: they sample nothing), each with its
+        context once the step has run."""
+        seqs, contexts = self.seqs, self.contexts
+        if not self.num_partial:
+            return []
+        if self.num_partial == 1 and contexts[-1] < len(seqs[-1].token_ids):
+            return [(seqs[-1], contexts[-1])]
+        return [(seq, end) for seq, end in zip(seqs, contexts, strict=True) if end < len(seq.token_ids)]
+
     def add(self, seq: Request, num_new_tokens: int) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
@@ -112,13 +132,14 @@ class ScheduledBatch:
 
 @dataclass
 class RunnerOutput:
-    """What a runner returns for a batch: the sequences that sampled a token, their tokens, per sequence its
-    `params.logprobs` best token ids (None when it asked for none), and the step's modelled seconds where the
-    runner models time (a cost runner; None: the step took real time)."""
+    """What a runner returns for a batch: the sequences that sampled a token (each had all its tokens computed by
+    the step), their tokens, per sequence its `params.logprobs` best token ids (None when it asked for none;
+    the list is None when no sequence did), and the step's modelled seconds where the runner models time (a cost
+    runner; None: the step took real time)."""
 
     seqs: list[Request]
     token_ids: list[int]
-    top_token_ids: list[list[int] | None]
+    top_token_ids: list[list[int] | None] | None = None
     seconds: float | None = None
 
 
@@ -171,19 +192,19 @@ class Scheduler:
         # Running sequences first, in admission order; victims come off the end.
         # The loop runs once per running sequence per step (the simulator's hot path): names are bound locally.
         running, append_slots = self.running, self.block_manager.append_slots
-        seqs, num_new_tokens, contexts = batch.seqs, batch.num_new_tokens, batch.contexts
+        num_new_tokens, contexts = batch.num_new_tokens, batch.contexts
         # Preemption pops victims off the end of `running` while this iterates it: the iterator stops before
-        # them, as a loop over indices would.
+        # them, as a loop over indices would. What it schedules is a prefix of `running`.
         for seq in running:
             if budget <= 0:
                 break
             computed = seq.num_computed_tokens
             n = len(seq.token_ids) - computed
-            partial = n > budget
-            if partial:
+            if n > budget:
                 n = budget
+            end = computed + n
             # Below its slot limit a sequence needs no block work (the block manager keeps the limit).
-            if computed + n > seq.slot_limit:
+            if end > seq.slot_limit:
                 while not append_slots(seq, n):
                     victim = running.pop()
                     self._preempt(victim)
@@ -194,12 +215,13 @@ class Scheduler:
                     victim = None
                 if victim is seq:
                     break
-            # batch.add(seq, n), inline
-            seqs.append(seq)
             num_new_tokens.append(n)
-            contexts.append(computed + n)
-            batch.num_partial += partial
+            contexts.append(end)
             budget -= n
+        batch.seqs.extend(running[: len(num_new_tokens)])
+        # A sequence cut short by the budget ends the loop: only the last can be a prompt chunk.
+        if num_new_tokens and contexts[-1] < len(batch.seqs[-1].token_ids):
+            batch.num_partial = 1
         if batch.preempted:
             if not batch.seqs:
                 self._count_idle_step()
@@ -259,37 +281,46 @@ class Scheduler:
         for hook in self.on_step:
             hook(batch)
         progressed = False
-        for seq, end in zip(batch.seqs, batch.contexts, strict=True):
+        if batch.num_partial:
+            # Prompt chunks sample nothing: only their computed tokens advance (the loop below does the rest).
+            for seq, end in batch.chunks():
+                seq.num_computed_tokens = end
+                if end > seq.max_computed_tokens:
+                    seq.max_computed_tokens = end
+                    progressed = True
+        finished = []
+        eos, max_model_len = self.eos_token_ids, self.config.max_model_len
+        # One pass per sampled token (the simulator's hot path): a sequence samples once all its tokens are in.
+        for seq, token in zip(output.seqs, output.token_ids, strict=True):
+            token_ids, metrics = seq.token_ids, seq.metrics
+            end = len(token_ids)
             seq.num_computed_tokens = end
             if end > seq.max_computed_tokens:
                 seq.max_computed_tokens = end
                 progressed = True
+            token_ids.append(token)
+            metrics.token_times.append(now)
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            # Why it stops, if it does
+            params = seq.params
+            if eos and not params.ignore_eos and token in eos:
+                reason = "stop"
+            elif end + 1 - seq.num_prompt_tokens >= params.max_tokens or end + 1 >= max_model_len:
+                reason = "length"
+            else:
+                continue
+            metrics.finish_time = now
+            self.finish(seq, reason)
+            finished.append(seq)
+        if output.top_token_ids is not None:
+            for seq, top in zip(output.seqs, output.top_token_ids, strict=True):
+                if top is not None:
+                    seq.top_token_ids.append(top)
         if progressed:
             self.num_idle_steps = 0
         else:
             self._count_idle_step()
-        finished = []
-        eos, max_model_len = self.eos_token_ids, self.config.max_model_len
-        for seq, token, top in zip(output.seqs, output.token_ids, output.top_token_ids, strict=True):
-            token_ids, metrics, params = seq.token_ids, seq.metrics, seq.params
-            token_ids.append(token)
-            if top is not None:
-                seq.top_token_ids.append(top)
-            metrics.token_times.append(now)
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-            # Why it stops, if it does (inline: this runs once per sampled token)
-            num_tokens = len(token_ids)
-            if eos and not params.ignore_eos and token in eos:
-                reason: str | None = "stop"
-            elif num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= max_model_len:
-                reason = "length"
-            else:
-                reason = None
-            if reason:
-                metrics.finish_time = now
-                self.finish(seq, reason)
-                finished.append(seq)
         if self.log_stats:
             self._record(batch, now)
         return finished

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -161,8 +162,9 @@ class RooflineStepCost:
         if tokens == len(num_new_tokens):
             attention = context
         else:
-            pairs = sum(n * c for n, c in zip(num_new_tokens, context_lens, strict=True))
-            attention = pairs - sum(n * (n - 1) for n in num_new_tokens) // 2
+            # map() in C: a step with a prompt chunk sums over every running sequence.
+            pairs = sum(map(operator.mul, num_new_tokens, context_lens))
+            attention = pairs - (sum(map(operator.mul, num_new_tokens, num_new_tokens)) - tokens) // 2
         flops = (
             self.body_flops * tokens
             + self.head_flops * len(num_new_tokens) / self.pp
