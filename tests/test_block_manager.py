@@ -72,6 +72,50 @@ def test_block_manager_never_leaks(ops, prefix_caching, block_size):
     free_all_and_check(bm, slots)
 
 
+def filled_slots_by_walk(bm: BlockManager, seqs: list[Request]) -> int:
+    """`used_token_slots` by its definition: every block of every table, a shared block at its fullest."""
+    filled: dict[int, int] = {}
+    for seq in seqs:
+        for table in seq.block_tables:
+            for i, block_id in enumerate(table):
+                if block_id != NULL_BLOCK:
+                    n = min(bm.block_size, max(0, seq.num_computed_tokens - i * bm.block_size))
+                    filled[block_id] = max(filled.get(block_id, 0), n)
+    return sum(filled.values())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=ops,
+    prefix_caching=st.booleans(),
+    block_size=st.sampled_from([1, 2, 4]),
+    windows=st.sampled_from([(None,), (None, 4)]),
+)
+def test_used_token_slots_counts_each_filled_slot_once(ops, prefix_caching, block_size, windows):
+    bm = BlockManager(
+        num_blocks=24, block_size=block_size, enable_prefix_caching=prefix_caching, windows=windows
+    )
+    slots: dict[int, Request] = {}
+    for kind, slot, n in ops:
+        seq = slots.get(slot)
+        if kind == "admit" and seq is None:
+            seq = Request([2 + (slot * i) % 2 for i in range(n)])
+            if bm.allocate(seq, n) is not None:
+                slots[slot] = seq
+        elif kind == "grow" and seq is not None:
+            # Part of what was scheduled is computed, so last blocks are partly filled too.
+            seq.num_computed_tokens = min(seq.num_tokens, seq.num_computed_tokens + n // 2 + 1)
+            seq.token_ids.extend([3] * n)
+            if not bm.append_slots(seq, seq.num_uncomputed_tokens):
+                bm.free(seq)
+                del slots[slot]
+        elif kind == "free" and seq is not None:
+            bm.free(seq)
+            del slots[slot]
+        live = list(slots.values())
+        assert bm.used_token_slots(live) == filled_slots_by_walk(bm, live)
+
+
 @settings(max_examples=40, deadline=None)
 @given(ops=ops)
 def test_contiguous_manager_reserves_runs_and_never_leaks(ops):

@@ -529,14 +529,18 @@ class BlockManager:
         if not self.enable_prefix_caching and not self.has_sliding_groups:
             # No block is shared and no entry is null: each table's computed tokens fill its blocks in order.
             return sum(min(seq.num_computed_tokens, len(t) * bs) for seq in seqs for t in seq.block_tables)
-        filled: dict[int, int] = {}
+        # Blocks before a sequence's last computed block are full; only that block is partly filled. A set of
+        # the full ones (filled in C, once per step when stats are kept) counts a shared block once.
+        full: set[int] = set()
+        partial: dict[int, int] = {}
         for seq in seqs:
+            whole, rest = divmod(seq.num_computed_tokens, bs)
             for table in seq.block_tables:
-                for i, block_id in enumerate(table):
-                    if block_id != NULL_BLOCK:
-                        n = min(bs, max(0, seq.num_computed_tokens - i * bs))
-                        filled[block_id] = max(filled.get(block_id, 0), n)
-        return sum(filled.values())
+                full.update(table[:whole])
+                if rest and whole < len(table) and partial.get(table[whole], 0) < rest:
+                    partial[table[whole]] = rest
+        full.discard(NULL_BLOCK)
+        return bs * len(full) + sum(n for b, n in partial.items() if b not in full and b != NULL_BLOCK)
 
 
 class ContiguousBlockManager(BlockManager):
