@@ -142,6 +142,13 @@ def test_report_names_the_first_lever_and_both_engines():
     text = diagnose(Deployment(LLAMA, "H100-SXM", 160, 340, concurrency=48)).report()
     assert "start with: 1. context and output statistics" in text
     assert "docs.vllm.ai" in text and "docs.sglang.io" in text
+    # Every lever's mark starts in one column, lever 10's too
+    marks = [
+        line.index(" APPLIES ") if " APPLIES " in line else line.index(" ok ")
+        for line in text.splitlines()
+        if line[:3].strip().rstrip(".").isdigit()
+    ]
+    assert len(marks) == 10 and len(set(marks)) == 1
 
 
 @pytest.mark.parametrize(

@@ -127,9 +127,10 @@ class Lever:
     sglang: str
     numbers: dict[str, float] = field(default_factory=dict)
 
-    def line(self) -> str:
+    def line(self, width: int = 1) -> str:
+        """The report's line for this lever, its step number right-aligned to `width` digits."""
         mark = "APPLIES" if self.applies else "ok     "
-        return f"{self.step}. {mark} {self.name}: {self.why}"
+        return f"{self.step:>{width}}. {mark} {self.name}: {self.why}"
 
 
 @dataclass(frozen=True)
@@ -162,8 +163,9 @@ class Diagnosis:
             "on average" + (" (Little's law with the realistic step-cost model, modelled)" if w.rate else ""),
             "",
         ]
-        for lever in self.levers:
-            lines.append(lever.line())
+        # Step numbers right-aligned, so the marks of levers 1-9 and 10 share a column
+        width = len(str(max((lever.step for lever in self.levers), default=1)))
+        lines += [lever.line(width) for lever in self.levers]
         first = self.first
         lines.append("")
         if first is None:
