@@ -400,3 +400,31 @@ def test_jobs_interrupt_keeps_finished_points_and_starts_no_more(tmp_path, monke
         ("3", "ok", "30"),
         ("4", "ok", "40"),
     ]
+
+
+@forked
+def test_a_killed_worker_fails_its_point_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    def fake(s, point):  # in a worker: n=2 kills its worker every time; calls are counted in files
+        n = point["n"]
+        with (tmp_path / f"calls-{n}").open("a") as calls:
+            calls.write("x")
+        time.sleep(0.3)  # so that points overlap in the two workers
+        if n == 2:
+            os._exit(9)
+        return {"point": point, "parameters": point, "status": "ok", "error": "", "values": {"y": 10 * n}}
+
+    monkeypatch.setattr(sweep, "run_point", fake)
+    monkeypatch.setattr(sweep, "gpu_count", lambda: 0)
+    plan = sweep.Sweep(LAB1, {"n": [1, 2, 3, 4]}, out=tmp_path / "out")
+    outcome = sweep.run_sweep(plan, progress=False, jobs=2)
+    assert (outcome.ran, outcome.failed) == (4, 1)
+    rows = {r["n"]: r for r in read_csv(tmp_path / "out/results.csv")}
+    assert [(n, rows[n]["status"], rows[n]["y"]) for n in "134"] == [
+        ("1", "ok", "10"),
+        ("3", "ok", "30"),
+        ("4", "ok", "40"),
+    ]
+    assert rows["2"]["status"] == "failed" and rows["2"]["error"] == sweep.WORKER_DIED
+    # The culprit ran twice (with a partner, then alone); its partner ran again alone, once
+    calls = {n: len((tmp_path / f"calls-{n}").read_text()) for n in (1, 2, 3, 4)}
+    assert calls[2] == 2 and sum(calls.values()) == 6

@@ -5,7 +5,8 @@ a JSON record (its parameters, status, and the scalars the lab glued). The recor
 so its presence means the point is done: a rerun skips it, and an interrupt loses at most the points in flight.
 DIR/results.csv is rebuilt from the records after every point, one row per grid point. `--jobs N` runs up to N
 points at once, each in a worker process with one GPU of its own where there are GPUs; the parent alone writes
-the records and the CSV.
+the records and the CSV. A worker that dies (killed, or out of memory) takes the points in flight with it: each of
+them runs again alone, and the one whose worker dies alone is recorded failed; the sweep goes on.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -246,6 +248,24 @@ def load_record(path: Path) -> dict[str, Any] | None:
         return None  # absent or torn: the point is not done
 
 
+# What a point's record says when the worker process running it died (killed, or out of memory)
+WORKER_DIED = "its worker process died (killed, or out of memory) while it ran"
+
+
+def failed_record(sweep: Sweep, point: dict[str, Any], error: str) -> dict[str, Any]:
+    """A point's record when it did not run to the end: it runs again at the next sweep."""
+    return _jsonable(
+        {
+            "point": point,
+            "parameters": {**sweep.fixed, **point},
+            "notebook": str(sweep.runs / f"{point_name(point)}.ipynb"),
+            "status": "failed",
+            "error": error,
+            "values": {},
+        }
+    )
+
+
 def run_point(sweep: Sweep, point: dict[str, Any]) -> dict[str, Any]:
     """Execute the notebook at one point; a failure becomes a record, never an exception (except an interrupt)."""
     papermill = _require("papermill")
@@ -377,28 +397,44 @@ def _run_parallel(
     if workers > n_gpus > 0:
         bar.write(f"kvlab: {workers} jobs on {n_gpus} GPU{'s' * (n_gpus > 1)}: several jobs share a GPU")
     waiting, points = collections.deque(todo), dict(todo)
+    # Points in flight when a worker died: each runs again alone, so the one that kills its worker is known.
+    suspects: collections.deque[int] = collections.deque()
     running: dict[Future[dict[str, Any]], tuple[int, int]] = {}  # future: its grid index, its worker slot
     free = list(range(workers))
     # fork: a worker starts without importing kvlab again, the same on every Python (3.14 defaults to
     # forkserver); macOS's system libraries are not fork-safe, so there it spawns
     context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_ignore_interrupts)
+
+    def new_pool() -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(workers, mp_context=context, initializer=_ignore_interrupts)
+
+    pool = new_pool()
+    solo = False  # a suspect is running, alone
     try:
-        while waiting or running:
-            # A point starts only when a slot is free, so no two points in flight share a slot's GPU.
-            while waiting and free:
+        while waiting or suspects or running:
+            # A point starts only when a slot is free, so no two points in flight share a slot's GPU; a suspect
+            # starts only on an idle pool and runs alone.
+            solo = solo and bool(running)
+            if suspects and not running:
+                i, slot, solo = suspects.popleft(), free.pop(0), True
+                running[pool.submit(_run_in_slot, sweep, points[i], devices[slot])] = (i, slot)
+            while waiting and free and not suspects and not solo:
                 slot = free.pop(0)
                 i, point = waiting.popleft()
                 running[pool.submit(_run_in_slot, sweep, point, devices[slot])] = (i, slot)
             bar.set_postfix_str(f"{len(running)} running")
             done, _ = wait(running, return_when=FIRST_COMPLETED)
             interrupted: BaseException | None = None
+            died = False
             for future in sorted(done, key=lambda f: running[f][0]):
+                error = future.exception()
+                if isinstance(error, BrokenProcessPool):
+                    died = True
+                    continue
                 i, slot = running.pop(future)
                 free.append(slot)
-                error = future.exception()
                 if error is not None:
-                    # run_point records a lab's failure, so this is an interrupt or a worker that died
+                    # run_point records a lab's failure, so this is an interrupt
                     interrupted = interrupted or error
                     continue
                 record = future.result()
@@ -409,6 +445,21 @@ def _run_parallel(
                     bar.write(f"{record['status']}: {point_name(points[i])}")
             if interrupted is not None:
                 raise interrupted
+            if died:
+                # The pool is broken and every point in flight is lost with it: a point that was alone killed
+                # its worker and is recorded failed; the others run again alone, on a new pool.
+                lost = sorted(i for i, _ in running.values())
+                free = list(range(workers))
+                running.clear()
+                pool.shutdown(wait=True, cancel_futures=True)
+                pool = new_pool()
+                if len(lost) == 1:
+                    record = failed_record(sweep, points[lost[0]], WORKER_DIED)
+                    finish(lost[0], record)
+                    if progress:
+                        bar.write(f"failed: {point_name(points[lost[0]])} ({WORKER_DIED})")
+                else:
+                    suspects.extend(lost)
     except BaseException:
         # Start nothing more. Ctrl-C has reached the points in flight as well, so they end soon; keep any that
         # finished all the same, as a one-point-at-a-time sweep keeps every point it finished.
