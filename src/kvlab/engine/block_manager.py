@@ -446,6 +446,8 @@ class BlockManager:
         end = start + num_new_tokens
         if end <= seq.slot_limit:
             return True
+        if self.single_full_group:
+            return self._append_one_table(seq, end)
         self.remove_skipped_blocks(seq)
         total = blocks_for(end, self.block_size)
         # The common decode step stays inside its last block: no allocation, so no free-block count either.
@@ -458,17 +460,25 @@ class BlockManager:
                     self.block_group[block_id] = g
                     table.append(block_id)
         self._cache_full_blocks(seq, end)
-        if self.single_full_group:
-            # One full-attention table: later steps need no work while their tokens stay inside its blocks
-            # and fill no block (each step publishes the blocks it fills, so a filled one must come here).
-            blocks, bs = len(seq.block_tables[0]), self.block_size
-            held = blocks * bs
-            # What the table holds by the one rule that sizes tables (`blocks_for`), not by a second copy of it.
-            while held and blocks_for(held, bs) > blocks:
-                held -= bs
-            if self.enable_prefix_caching:
-                held = min(held, (end // bs + 1) * bs - 1)
-            seq.slot_limit = held
+        return True
+
+    def _append_one_table(self, seq: Request, end: int) -> bool:
+        """`append_slots` for one full-attention group (no window, so nothing to free behind it), which also sets
+        the sequence's slot limit: later steps need no work while their tokens stay inside its blocks and fill
+        no block (each step publishes the blocks it fills, so a filled one must come here)."""
+        table, bs = seq.block_tables[0], self.block_size
+        missing = blocks_for(end, bs) - len(table)
+        if missing > 0:
+            if missing > self.allocator.num_free_blocks:
+                return False
+            allocate = self.allocator.allocate
+            for _ in range(missing):
+                table.append(allocate())
+        self._cache_full_blocks(seq, end)
+        held = len(table) * bs
+        if self.enable_prefix_caching:
+            held = min(held, (end // bs + 1) * bs - 1)
+        seq.slot_limit = held
         return True
 
     def _retained(self, group: int, index: int, seq: Request) -> bool:

@@ -12,11 +12,18 @@ as in vLLM's serving benchmarks.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import cast
 
 from kvlab.engine.kv_pool import KVPool
 from kvlab.engine.request import Request
 from kvlab.engine.scheduler import RunnerOutput, ScheduledBatch
+
+
+class _Placeholders(dict[Request, int]):
+    """Each sequence's placeholder token, made on first lookup."""
+
+    def __missing__(self, seq: Request) -> int:
+        token = self[seq] = 2 + seq.seq_id % 1_000_003
+        return token
 
 
 class CostRunner:
@@ -38,22 +45,15 @@ class CostRunner:
         self.step_seconds: list[float] = []
         # Each running sequence's placeholder token: one int object per sequence, not one per output token
         # (20,000 requests of a few hundred tokens would otherwise hold millions of them).
-        self._placeholder: dict[Request, int] = {}
+        self._placeholder = _Placeholders()
 
     def run(self, batch: ScheduledBatch) -> RunnerOutput:
         contexts = batch.context_lens()
         seconds = float(self.cost(batch.num_new_tokens, contexts))
         self.step_seconds.append(seconds)
         sampled = batch.sampled()
-        # map() in C, not a comprehension: this runs once per sequence per step.
-        known = list(map(self._placeholder.get, sampled))
-        if None in known:
-            known = [self._placeholder.get(seq) or self._new_placeholder(seq) for seq in sampled]
-        return RunnerOutput(sampled, cast(list[int], known), None, seconds)
-
-    def _new_placeholder(self, seq: Request) -> int:
-        token = self._placeholder[seq] = 2 + seq.seq_id % 1_000_003
-        return token
+        # map() over the dict's own lookup runs in C: this is once per sequence per step.
+        return RunnerOutput(sampled, list(map(self._placeholder.__getitem__, sampled)), None, seconds)
 
     def release(self, seq: Request) -> None:
         """Forget the sequence's placeholder token."""
