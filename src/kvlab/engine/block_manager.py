@@ -475,7 +475,11 @@ class BlockManager:
             for _ in range(missing):
                 table.append(allocate())
         self._cache_full_blocks(seq, end)
-        held = len(table) * bs
+        blocks = len(table)
+        held = blocks * bs
+        # What the table holds by the one rule that sizes tables (`blocks_for`), not by a second copy of it.
+        while held and blocks_for(held, bs) > blocks:
+            held -= bs
         if self.enable_prefix_caching:
             held = min(held, (end // bs + 1) * bs - 1)
         seq.slot_limit = held
@@ -515,8 +519,14 @@ class BlockManager:
             return
         hashes = self._hashes(seq)
         hashes_of = self.allocator.hashes
+        first, full = seq.num_published_blocks, num_tokens // self.block_size
+        if full <= first:
+            return
+        # Blocks before `first` were offered already: each is published, a hit on a published block, null
+        # behind a window, or not retained (fixed at admission); none of that changes while the tables are held.
+        seq.num_published_blocks = full
         for g, table in enumerate(seq.block_tables):
-            for i in range(num_tokens // self.block_size):
+            for i in range(first, full):
                 block_id = table[i]
                 if block_id == NULL_BLOCK or hashes_of[block_id] is not None or not self._retained(g, i, seq):
                     continue
@@ -532,6 +542,7 @@ class BlockManager:
         seq.block_tables = [[] for _ in self.windows]
         seq.num_computed_tokens = 0
         seq.slot_limit = 0
+        seq.num_published_blocks = 0
 
     def used_token_slots(self, seqs: Iterable[Request]) -> int:
         """Token slots of the pool that hold a computed token (a shared block counts once)."""

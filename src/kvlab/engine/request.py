@@ -106,6 +106,9 @@ class Request:
     # Tokens its blocks hold before `BlockManager.append_slots` has work to do (0: always ask). The block
     # manager keeps it; the scheduler's loop, which runs once per sequence per step, skips the call below it.
     slot_limit: int = 0
+    # Leading full blocks the block manager has already offered to the prefix cache since it last gave the
+    # sequence blocks (it keeps the count, so each step looks only at the blocks it fills).
+    num_published_blocks: int = 0
     # K/V of a prefix computed elsewhere, waiting to be loaded (None once loaded, or when there is none).
     external: ExternalKV | None = None
     num_prompt_tokens: int = field(init=False)
