@@ -1,3 +1,5 @@
+from collections.abc import Iterator
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -45,10 +47,9 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=60, deadline=None)
-@given(ops=ops, prefix_caching=st.booleans(), block_size=st.sampled_from([1, 2, 4]))
-def test_block_manager_never_leaks(ops, prefix_caching, block_size):
-    bm = BlockManager(num_blocks=12, block_size=block_size, enable_prefix_caching=prefix_caching)
+def apply_ops(bm: BlockManager, ops, computed_before_grow) -> Iterator[dict[int, Request]]:
+    """Run `ops` on `bm`, yielding the live sequences by slot after each. Before a "grow", a sequence has
+    `computed_before_grow(seq, n)` tokens computed; then it asks for `n` more generated tokens' slots."""
     slots: dict[int, Request] = {}
     for kind, slot, n in ops:
         seq = slots.get(slot)
@@ -56,11 +57,11 @@ def test_block_manager_never_leaks(ops, prefix_caching, block_size):
             seq = Request([2 + (slot * i) % 2 for i in range(n)])
             if bm.allocate(seq, n) is not None:
                 slots[slot] = seq
-                assert seq.num_computed_tokens % block_size == 0 and seq.num_computed_tokens < seq.num_tokens
+                assert (
+                    seq.num_computed_tokens % bm.block_size == 0 and seq.num_computed_tokens < seq.num_tokens
+                )
         elif kind == "grow" and seq is not None:
-            # Compute what was scheduled, then ask for `n` more generated tokens' slots.
-            seq.num_computed_tokens = len(seq.block_table) * block_size
-            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+            seq.num_computed_tokens = min(computed_before_grow(seq, n), seq.num_tokens)
             seq.token_ids.extend([3] * n)
             if not bm.append_slots(seq, seq.num_uncomputed_tokens):
                 bm.free(seq)
@@ -68,6 +69,16 @@ def test_block_manager_never_leaks(ops, prefix_caching, block_size):
         elif kind == "free" and seq is not None:
             bm.free(seq)
             del slots[slot]
+        yield slots
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=ops, prefix_caching=st.booleans(), block_size=st.sampled_from([1, 2, 4]))
+def test_block_manager_never_leaks(ops, prefix_caching, block_size):
+    bm = BlockManager(num_blocks=12, block_size=block_size, enable_prefix_caching=prefix_caching)
+    slots: dict[int, Request] = {}
+    # Everything scheduled was computed
+    for slots in apply_ops(bm, ops, lambda seq, n: len(seq.block_table) * block_size):
         check_invariants(bm, list(slots.values()))
     free_all_and_check(bm, slots)
 
@@ -95,23 +106,8 @@ def test_used_token_slots_counts_each_filled_slot_once(ops, prefix_caching, bloc
     bm = BlockManager(
         num_blocks=24, block_size=block_size, enable_prefix_caching=prefix_caching, windows=windows
     )
-    slots: dict[int, Request] = {}
-    for kind, slot, n in ops:
-        seq = slots.get(slot)
-        if kind == "admit" and seq is None:
-            seq = Request([2 + (slot * i) % 2 for i in range(n)])
-            if bm.allocate(seq, n) is not None:
-                slots[slot] = seq
-        elif kind == "grow" and seq is not None:
-            # Part of what was scheduled is computed, so last blocks are partly filled too.
-            seq.num_computed_tokens = min(seq.num_tokens, seq.num_computed_tokens + n // 2 + 1)
-            seq.token_ids.extend([3] * n)
-            if not bm.append_slots(seq, seq.num_uncomputed_tokens):
-                bm.free(seq)
-                del slots[slot]
-        elif kind == "free" and seq is not None:
-            bm.free(seq)
-            del slots[slot]
+    # Part of what was scheduled is computed, so last blocks are partly filled too
+    for slots in apply_ops(bm, ops, lambda seq, n: seq.num_computed_tokens + n // 2 + 1):
         live = list(slots.values())
         assert bm.used_token_slots(live) == filled_slots_by_walk(bm, live)
 
