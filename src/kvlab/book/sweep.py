@@ -252,27 +252,26 @@ def load_record(path: Path) -> dict[str, Any] | None:
 WORKER_DIED = "its worker process died (killed, or out of memory) while it ran"
 
 
-def failed_record(sweep: Sweep, point: dict[str, Any], error: str) -> dict[str, Any]:
-    """A point's record when it did not run to the end: it runs again at the next sweep."""
-    return _jsonable(
-        {
-            "point": point,
-            "parameters": {**sweep.fixed, **point},
-            "notebook": str(sweep.runs / f"{point_name(point)}.ipynb"),
-            "status": "failed",
-            "error": error,
-            "values": {},
-        }
-    )
+def point_record(
+    sweep: Sweep, point: dict[str, Any], status: str, error: str = "", values: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A point's record: its parameters, where its executed notebook goes, and how it ended ("ok" or "failed",
+    which runs again at the next sweep)."""
+    return {
+        "point": point,
+        "parameters": {**sweep.fixed, **point},
+        "notebook": str(sweep.runs / f"{point_name(point)}.ipynb"),
+        "status": status,
+        "error": error,
+        "values": values or {},
+    }
 
 
 def run_point(sweep: Sweep, point: dict[str, Any]) -> dict[str, Any]:
     """Execute the notebook at one point; a failure becomes a record, never an exception (except an interrupt)."""
     papermill = _require("papermill")
-    name = point_name(point)
     parameters = {**sweep.fixed, **point}
-    executed = sweep.runs / f"{name}.ipynb"
-    record: dict[str, Any] = {"point": point, "parameters": parameters, "notebook": str(executed)}
+    executed = sweep.runs / f"{point_name(point)}.ipynb"
     try:
         with _parameters_checked():
             papermill.execute_notebook(
@@ -284,10 +283,8 @@ def run_point(sweep: Sweep, point: dict[str, Any]) -> dict[str, Any]:
                 progress_bar=False,
             )
     except Exception as err:
-        record |= {"status": "failed", "error": _one_line(err), "values": {}}
-    else:
-        record |= {"status": "ok", "error": "", "values": glued_scalars(executed)}
-    return record
+        return point_record(sweep, point, "failed", _one_line(err))
+    return point_record(sweep, point, "ok", values=glued_scalars(executed))
 
 
 def run_sweep(sweep: Sweep, *, progress: bool = True, jobs: int = 1) -> Outcome:
@@ -454,7 +451,7 @@ def _run_parallel(
                 pool.shutdown(wait=True, cancel_futures=True)
                 pool = new_pool()
                 if len(lost) == 1:
-                    record = failed_record(sweep, points[lost[0]], WORKER_DIED)
+                    record = _jsonable(point_record(sweep, points[lost[0]], "failed", WORKER_DIED))
                     finish(lost[0], record)
                     if progress:
                         bar.write(f"failed: {point_name(points[lost[0]])} ({WORKER_DIED})")

@@ -98,25 +98,29 @@ class ScheduledBatch:
         """Each sequence's context once the step has run (read before `Scheduler.postprocess` advances it)."""
         return self.contexts
 
+    def _only_last_cut(self) -> bool:
+        """Whether the one sequence scheduled short is the batch's last: a token budget cuts at most the last
+        sequence it schedules (the usual chunked step), so that needs no scan."""
+        return self.num_partial == 1 and self.contexts[-1] < len(self.seqs[-1].token_ids)
+
     def sampled(self) -> list[Request]:
         """The sequences whose scheduled tokens reach their last token: each samples one, in batch order."""
-        seqs, contexts = self.seqs, self.contexts
         if not self.num_partial:
-            return list(seqs)
-        # A token budget cuts at most the last sequence scheduled short (the usual chunked step): no scan.
-        if self.num_partial == 1 and contexts[-1] < len(seqs[-1].token_ids):
-            return seqs[:-1]
-        return [seq for seq, end in zip(seqs, contexts, strict=True) if end == len(seq.token_ids)]
+            return list(self.seqs)
+        if self._only_last_cut():
+            return self.seqs[:-1]
+        return [seq for seq, end in zip(self.seqs, self.contexts, strict=True) if end == len(seq.token_ids)]
 
     def chunks(self) -> list[tuple[Request, int]]:
         """The sequences scheduled short of their last token (prompt chunks: they sample nothing), each with its
         context once the step has run."""
-        seqs, contexts = self.seqs, self.contexts
         if not self.num_partial:
             return []
-        if self.num_partial == 1 and contexts[-1] < len(seqs[-1].token_ids):
-            return [(seqs[-1], contexts[-1])]
-        return [(seq, end) for seq, end in zip(seqs, contexts, strict=True) if end < len(seq.token_ids)]
+        if self._only_last_cut():
+            return [(self.seqs[-1], self.contexts[-1])]
+        return [
+            (seq, end) for seq, end in zip(self.seqs, self.contexts, strict=True) if end < len(seq.token_ids)
+        ]
 
     def add(self, seq: Request, num_new_tokens: int) -> None:
         self.seqs.append(seq)
