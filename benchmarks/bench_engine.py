@@ -7,7 +7,10 @@ The trace is seeded, Alpaca-like (scaled), all requests present at t=0 (offline 
 - `engine static`: `LLMEngine(scheduling="static")`, the same batches on the paged cache.
 - `engine continuous`: `LLMEngine` with continuous batching and up to `--batch` running sequences.
 
-Wall seconds are measured around each run, the best of `--repeat` runs. On cores shared with other work, two
+Wall seconds are measured around each run. The three run in `--repeat` rounds, one of each per round, in an order
+that rotates from round to round: a machine whose speed drifts over the minutes slows all three alike, and the
+speed-up over `generate` is the median of the rounds' own ratios (the min and max are printed too). On cores
+shared with other work, two
 torch threads stall on each other and `generate`'s many small steps suffer most: `--threads 1` is steadier. The
 engines also run on `VirtualClock`, whose toy cost model charges every step a fixed cost (a GPU reading the weights
 once per step); their virtual throughput shows the regime where continuous batching pays. On a CPU with a tiny
@@ -20,6 +23,8 @@ from not computing padding, not from batching.
 from __future__ import annotations
 
 import argparse
+import functools
+import statistics
 import time
 
 import torch
@@ -68,7 +73,7 @@ def run_engine(model, trace: list[TraceRequest], batch: int, scheduling: str, nu
     outputs = engine.replay(trace)
     elapsed = time.perf_counter() - start
     assert [len(o.token_ids) for o in outputs] == [r.max_tokens for r in trace]
-    return elapsed, engine, outputs
+    return elapsed, (engine, outputs)
 
 
 def main() -> None:
@@ -78,7 +83,7 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's own)")
-    parser.add_argument("--repeat", type=int, default=3, help="runs of each method; the fastest counts")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of one run of each method (default 3)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -94,30 +99,47 @@ def main() -> None:
         f"batch {args.batch}; {useful} output tokens, mean prompt "
         f"{sum(len(r.prompt_token_ids) for r in trace) / len(trace):.1f}"
     )
-    seconds = {
-        "generate (static, padded)": min(run_generate(model, trace, args.batch) for _ in range(args.repeat))
+    methods = {
+        "generate (static, padded)": lambda: (run_generate(model, trace, args.batch), None),
+        **{
+            f"engine {scheduling}": functools.partial(run_engine, model, trace, args.batch, scheduling, 2048)
+            for scheduling in ("static", "continuous")
+        },
     }
+    names = list(methods)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
     virtual = {}
-    for scheduling in ("static", "continuous"):
-        elapsed, engine, outputs = run_engine(model, trace, args.batch, scheduling, num_blocks=2048)
-        for _ in range(args.repeat - 1):  # the same seeded replay: only the wall time differs
-            elapsed = min(elapsed, run_engine(model, trace, args.batch, scheduling, num_blocks=2048)[0])
-        seconds[f"engine {scheduling}"] = elapsed
-        summary = summarize([o.metrics for o in outputs])
-        virtual[scheduling] = summary["output_throughput"]
-        print(
-            f"  engine {scheduling}: {len(engine.step_stats)} steps, mean running "
-            f"{sum(s.num_running for s in engine.step_stats) / len(engine.step_stats):.1f}, KV utilisation "
-            f"{mean_kv_utilisation(engine.step_stats):.3f}; virtual clock: {summary['output_throughput']:.0f} "
-            f"out tok/s, mean TTFT {summary['mean_ttft_ms']:.0f} ms, p99 ITL {summary['p99_itl_ms']:.1f} ms"
-        )
+    for round_ in range(args.repeat):
+        for name in names[round_ % 3 :] + names[: round_ % 3]:
+            elapsed, run = methods[name]()
+            seconds[name].append(elapsed)
+            # The same seeded replay every round: only the wall time differs, so the first round describes all
+            if run is not None and round_ == 0:
+                virtual[name] = describe(name, *run)
     base = seconds["generate (static, padded)"]
-    print(f"{'method':<28} {'wall s':>8} {'out tok/s':>10} {'vs generate':>12}")
-    for name, s in seconds.items():
-        print(f"{name:<28} {s:>8.2f} {useful / s:>10.1f} {base / s:>11.2f}x")
+    print(f"{'method':<28} {'median s':>9} {'out tok/s':>10} {'vs generate, median (min-max) of rounds':>40}")
+    for name, runs in seconds.items():
+        ratios = [b / s for b, s in zip(base, runs, strict=True)]
+        spread = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+        print(
+            f"{name:<28} {statistics.median(runs):>9.2f} {useful / statistics.median(runs):>10.1f} {spread:>40}"
+        )
     print(
-        f"virtual clock, continuous / static output throughput: {virtual['continuous'] / virtual['static']:.2f}x"
+        "virtual clock, continuous / static output throughput: "
+        f"{virtual['engine continuous'] / virtual['engine static']:.2f}x"
     )
+
+
+def describe(name: str, engine: LLMEngine, outputs: list) -> float:
+    """Print one engine run's steps, occupancy and virtual-clock latencies; its virtual output throughput."""
+    summary = summarize([o.metrics for o in outputs])
+    stats = engine.step_stats
+    print(
+        f"  {name}: {len(stats)} steps, mean running {sum(s.num_running for s in stats) / len(stats):.1f}, "
+        f"KV utilisation {mean_kv_utilisation(stats):.3f}; virtual clock: {summary['output_throughput']:.0f} "
+        f"out tok/s, mean TTFT {summary['mean_ttft_ms']:.0f} ms, p99 ITL {summary['p99_itl_ms']:.1f} ms"
+    )
+    return summary["output_throughput"]
 
 
 if __name__ == "__main__":
