@@ -4,6 +4,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvlab.costs.workloads import resident_lengths, synthetic_trace
 from kvlab.engine import LLMEngine, kv_pool
@@ -292,12 +294,12 @@ def test_paged_context_declares_decode_groups_and_prefill_chunks():
     assert [(c.start, c.query_len, c.context_len) for c in ctx.prefills] == [(1, 3, 3), (5, 3, 5)]
     assert ctx.prefills[0].blocks is None, "nothing cached: the chunk attends to the step's own K/V"
     assert ctx.block_ids.tolist() == [1, 2, 5, 6, 7, 0, 2] and ctx.prefills[1].blocks == slice(4, 7)
-    assert group.mask(None, torch.float32).shape == (2, 1, 1, 4)
+    assert group.mask(None, torch.device("cpu"), torch.float32).shape == (2, 1, 1, 4)
     assert ctx.prefills[0].mask(None, torch.device("cpu"), torch.float32) is None
     only_decodes = PagedContext.build(pool, torch.zeros(2, dtype=torch.long), [1, 1], [2, 2], [[1], [2]])
     assert (
         only_decodes.decodes[0].tokens == slice(0, 2)
-        and only_decodes.decodes[0].mask(None, torch.float32) is None
+        and only_decodes.decodes[0].mask(None, torch.device("cpu"), torch.float32) is None
     )
     assert only_decodes.prefills == []
 
@@ -309,6 +311,25 @@ def test_decode_groups_split_by_context_length():
     ctx = PagedContext.build(KVPool(KVShape(1, 1, 2), 64, 1), torch.zeros(4, dtype=torch.long), [1] * 4,
                              [40, 1, 39, 1], tables)  # fmt: skip
     assert [g.tokens.tolist() for g in ctx.decodes] == [[0, 2], [1, 3]] and len(ctx.block_ids) == 80 + 2
+
+
+def every_cut_optimum(widths, group_cost):
+    """The least cost of `split_by_width`'s problem, trying a cut before every row (the reference)."""
+    best = [0] * (len(widths) + 1)
+    for j in range(1, len(widths) + 1):
+        best[j] = min(best[i] + (j - i) * widths[i] + group_cost for i in range(j))
+    return best[-1]
+
+
+@given(st.lists(st.integers(1, 12), max_size=24), st.integers(0, 20))
+def test_split_by_width_cuts_only_where_the_width_changes_and_loses_nothing(widths, group_cost):
+    widths.sort(reverse=True)
+    ends = split_by_width(widths, group_cost)
+    starts = [0, *ends[:-1]] if ends else []
+    assert ends == sorted(set(ends)) and (ends[-1] if ends else 0) == len(widths)
+    assert all(s == 0 or widths[s] != widths[s - 1] for s in starts if widths)
+    cost = sum((e - s) * widths[s] + group_cost for s, e in zip(starts, ends, strict=True))
+    assert cost == every_cut_optimum(widths, group_cost)
 
 
 def test_pool_gather_reuses_its_workspace():

@@ -284,8 +284,8 @@ class DecodeGroup:
     blocks: slice
     # The longest context; keys past it are padding in every row
     num_keys: int
-    # (seqs,): each sequence's context length
-    context_lens: torch.Tensor
+    # Each sequence's context length
+    context_lens: list[int]
     # All contexts equally long: no mask needed without a window
     uniform: bool
     # Per window, built on first use
@@ -296,9 +296,9 @@ class DecodeGroup:
     # Its K and V views of the workspace they were made on: every layer gathers into the same rows
     views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.context_lens)
+    def __post_init__(self) -> None:
+        # Read by every layer: a plain int, not a length looked up again each time
+        self.num_seqs = len(self.context_lens)
 
     def keys_values(self, workspace: torch.Tensor, shape: KVShape) -> tuple[torch.Tensor, torch.Tensor]:
         """(seqs, kv_heads, keys, head_dim) views of its gathered K and V."""
@@ -312,7 +312,7 @@ class DecodeGroup:
             self.views = (workspace, k, v)
         return self.views[1], self.views[2]
 
-    def mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+    def mask(self, window: int | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
         """(seqs, 1, 1, keys) additive mask: real keys at or before the query, within the window if any; None when
         all keys are."""
         if window not in self.masks:
@@ -320,8 +320,8 @@ class DecodeGroup:
                 # Lets SDPA take its unmasked (fastest) kernel
                 self.masks[window] = None
             else:
-                key = torch.arange(self.num_keys, device=self.context_lens.device)[None, :]
-                query = (self.context_lens - 1)[:, None]
+                key = torch.arange(self.num_keys, device=device)[None, :]
+                query = torch.tensor(self.context_lens, device=device)[:, None] - 1
                 self.masks[window] = _causal_mask(query, key, window, dtype)[:, None, None]
         return self.masks[window]
 
@@ -340,17 +340,28 @@ def split_by_width(widths: list[int], group_cost: int = GROUP_COST_BLOCKS) -> li
     """Cut points of `widths` (sorted longest first) into groups, minimising padded rows + `group_cost` per group.
 
     Returns the end index of each group. Dynamic programming over the cut points: a group `[i, j)` costs
-    `(j - i) * widths[i] + group_cost`.
+    `(j - i) * widths[i] + group_cost`. Only the places where the width changes are tried: a cut inside a run
+    of equal widths is never better than one at the run's start (the rows after it pad to the same width
+    either way), so the work grows with the distinct widths squared, not the sequences.
     """
     n = len(widths)
-    best = [0] + [0] * n
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        best[j], cut[j] = min((best[i] + (j - i) * widths[i] + group_cost, i) for i in range(j))
+    cuts = [i for i in range(n) if i == 0 or widths[i] != widths[i - 1]] + [n]
+    # best[c]: the least cost of the rows before cuts[c]; back[c]: where the last group before it starts
+    best = [0] * len(cuts)
+    back = [0] * len(cuts)
+    for c in range(1, len(cuts)):
+        j = cuts[c]
+        best[c] = best[0] + j * widths[0] + group_cost
+        for b in range(1, c):
+            i = cuts[b]
+            cost = best[b] + (j - i) * widths[i] + group_cost
+            if cost < best[c]:
+                best[c], back[c] = cost, b
     ends = []
-    while n:
-        ends.append(n)
-        n = cut[n]
+    c = len(cuts) - 1
+    while c:
+        ends.append(cuts[c])
+        c = back[c]
     return ends[::-1]
 
 
@@ -464,7 +475,7 @@ class PagedContext:
                     else torch.tensor(tokens, device=device),
                     blocks=slice(first, len(block_ids)),
                     num_keys=max(lens),
-                    context_lens=torch.tensor(lens, device=device),
+                    context_lens=lens,
                     uniform=min(lens) == max(lens),
                 )
             )
@@ -546,7 +557,7 @@ def paged_attention_forward(
         # half the time of the same SDPA with enable_gqa (benchmarks/bench_paged_attention.py prints both).
         queries = q[group.tokens].view(group.num_seqs, k.shape[1], -1, q.shape[-1])
         o = F.scaled_dot_product_attention(
-            queries, k, v, attn_mask=group.mask(sliding_window, q.dtype), scale=scaling
+            queries, k, v, attn_mask=group.mask(sliding_window, q.device, q.dtype), scale=scaling
         ).reshape(group.num_seqs, -1, q.shape[-1])
         if out is None:
             return o[None], None
