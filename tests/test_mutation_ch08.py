@@ -89,7 +89,9 @@ def test_a_doubled_step_cost_misses_the_predictions(measure, monkeypatch):
 def test_static_labelled_as_continuous_misses_the_order_checks(true_verdict):
     c = true_verdict.require()
     swapped = dataclasses.replace(
-        c, measured={"static": c.measured["continuous"], "continuous": c.measured["static"]}
+        c,
+        measured={"static": c.measured["continuous"], "continuous": c.measured["static"]},
+        repeats={"static": c.repeats["continuous"], "continuous": c.repeats["static"]},
     )
     checks = wallclock.check_schedulers(swapped, tolerance=TOLERANCE)
     assert ORDER_CHECKS <= {check.name for check in checks if not check.holds}

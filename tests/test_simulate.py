@@ -214,6 +214,13 @@ def test_measure_schedulers_runs_both_schedulers_and_predicts_their_steps(model)
         # every request arrives at 0: the schedule is the engine's, step for step
         assert len(c.measured[s].steps) == len(c.predicted[s].step_seconds)
         assert c.measured[s].num_preemptions == c.predicted[s].num_preemptions
+        # the second run serves the same tokens in the same steps; the measurement is the mean of the two
+        assert c.repeats[s].token_ids == c.measured[s].token_ids
+        assert len(c.repeats[s].steps) == len(c.measured[s].steps)
+        first, second = c.measured[s].summary(), c.repeats[s].summary()
+        mean = c.summaries()[s][0]["output_throughput"]
+        assert mean == (first["output_throughput"] + second["output_throughput"]) / 2
+        assert c.ttfts_ms(s)[0] == 500 * (c.measured[s].requests[0].ttft + c.repeats[s].requests[0].ttft)
         assert set(c.errors()[s]) == set(wallclock.PREDICTED_KEYS)
     # the calibration trace ran under both schedulers, so its decode steps cover every batch size
     assert set(c.cost.decode_factors) == {1, 2, 3, 4}
