@@ -110,7 +110,8 @@ def main() -> None:
     seconds: dict[str, list[float]] = {name: [] for name in names}
     virtual = {}
     for round_ in range(args.repeat):
-        for name in names[round_ % 3 :] + names[: round_ % 3]:
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
             elapsed, run = methods[name]()
             seconds[name].append(elapsed)
             # The same seeded replay every round: only the wall time differs, so the first round describes all

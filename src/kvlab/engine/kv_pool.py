@@ -296,9 +296,9 @@ class DecodeGroup:
     # Its K and V views of the workspace they were made on: every layer gathers into the same rows
     views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def __post_init__(self) -> None:
-        # Read by every layer: a plain int, not a length looked up again each time
-        self.num_seqs = len(self.context_lens)
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
 
     def keys_values(self, workspace: torch.Tensor, shape: KVShape) -> tuple[torch.Tensor, torch.Tensor]:
         """(seqs, kv_heads, keys, head_dim) views of its gathered K and V."""
@@ -351,12 +351,7 @@ def split_by_width(widths: list[int], group_cost: int = GROUP_COST_BLOCKS) -> li
     back = [0] * len(cuts)
     for c in range(1, len(cuts)):
         j = cuts[c]
-        best[c] = best[0] + j * widths[0] + group_cost
-        for b in range(1, c):
-            i = cuts[b]
-            cost = best[b] + (j - i) * widths[i] + group_cost
-            if cost < best[c]:
-                best[c], back[c] = cost, b
+        best[c], back[c] = min((best[b] + (j - cuts[b]) * widths[cuts[b]] + group_cost, b) for b in range(c))
     ends = []
     c = len(cuts) - 1
     while c:

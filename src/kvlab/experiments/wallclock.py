@@ -66,7 +66,7 @@ class SchedulerComparison:
     def ttfts_ms(self, scheduling: str) -> list[float]:
         """Each request's measured TTFT (ms), the mean of the scheduler's two runs, in trace order."""
         runs = self.measured[scheduling].requests, self.repeats[scheduling].requests
-        return [500 * (a.ttft + b.ttft) for a, b in zip(*runs, strict=True)]
+        return [1e3 * (a.ttft + b.ttft) / 2 for a, b in zip(*runs, strict=True)]
 
     def errors(self) -> dict[str, dict[str, float]]:
         """Per scheduler: measured / predicted - 1 for each of `PREDICTED_KEYS` (what the checks bound)."""
@@ -123,7 +123,8 @@ def measure_schedulers(
 
 def check_schedulers(c: SchedulerComparison, tolerance: float) -> list[claims.Check]:
     """The chapter's claims on one measurement (see the module docstring)."""
-    (m_static, p_static), (m_cont, p_cont) = c.summaries().values()
+    summaries = c.summaries()
+    (m_static, p_static), (m_cont, p_cont) = summaries.values()
     checks = [
         claims.less(
             "continuous has the higher output throughput (static < continuous)",
@@ -135,7 +136,7 @@ def check_schedulers(c: SchedulerComparison, tolerance: float) -> list[claims.Ch
         ),
         claims.less("continuous has the lower P99 TTFT", m_cont["p99_ttft_ms"], m_static["p99_ttft_ms"]),
     ]
-    for s, (measured, predicted) in c.summaries().items():
+    for s, (measured, predicted) in summaries.items():
         checks += [
             claims.within(f"{s} {name} as predicted", measured[k], predicted[k], tolerance)
             for k, name in PREDICTED_KEYS.items()
@@ -148,6 +149,6 @@ def check_schedulers(c: SchedulerComparison, tolerance: float) -> list[claims.Ch
             (1 - tolerance) * low,
             (1 + tolerance) * high,
         )
-        for s, (measured, _) in c.summaries().items()
+        for s, (measured, _) in summaries.items()
     ]
     return checks
