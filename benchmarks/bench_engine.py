@@ -17,6 +17,11 @@ once per step); their virtual throughput shows the regime where continuous batch
 model, a step's cost is nearly proportional to its tokens, so the engine's wall-time gain over `generate` comes
 from not computing padding, not from batching.
 
+`--breakdown` splits every run into the seconds outside the model's forward (the serving loop: kvlab's scheduler
+and runner, or `generate`'s own), inside its attention calls, and in the model's other ops, and prints what the
+speed-up would be with parts of the engine's cost taken away: the ceilings of any engine that runs this model's
+own code.
+
     .venv/bin/python benchmarks/bench_engine.py
 """
 
@@ -26,11 +31,14 @@ import argparse
 import functools
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
+from transformers import AttentionInterface
 
 from kvlab.costs.workloads import TraceRequest, synthetic_trace
 from kvlab.engine import LLMEngine
+from kvlab.engine.kv_pool import ATTN_IMPLEMENTATION, enable_paged_attention, paged_attention_forward
 from kvlab.engine.metrics import mean_kv_utilisation, summarize
 from kvlab.env import env_report
 from kvlab.models import tiny_model
@@ -84,6 +92,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's own)")
     parser.add_argument("--repeat", type=int, default=3, help="rounds of one run of each method (default 3)")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="split each run into loop, attention and other ops"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -108,12 +119,19 @@ def main() -> None:
     }
     names = list(methods)
     seconds: dict[str, list[float]] = {name: [] for name in names}
+    splits: dict[str, list[Split]] = {name: [] for name in names}
+    timers = Timers(model) if args.breakdown else None
     virtual = {}
     for round_ in range(args.repeat):
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
+            if timers is not None:
+                timers.split = Split()
+                splits[name].append(timers.split)
             elapsed, run = methods[name]()
             seconds[name].append(elapsed)
+            if timers is not None:
+                timers.split.total = elapsed
             # The same seeded replay every round: only the wall time differs, so the first round describes all
             if run is not None and round_ == 0:
                 virtual[name] = describe(name, *run)
@@ -129,6 +147,94 @@ def main() -> None:
         "virtual clock, continuous / static output throughput: "
         f"{virtual['engine continuous'] / virtual['engine static']:.2f}x"
     )
+    if timers is not None:
+        timers.remove()
+        print_breakdown(splits["generate (static, padded)"], splits["engine continuous"])
+
+
+@dataclass
+class Split:
+    """Wall seconds of one run: in all, inside the model's forward calls, inside its attention calls."""
+
+    total: float = 0.0
+    forward: float = 0.0
+    attention: float = 0.0
+    attention_calls: int = 0
+
+    @property
+    def loop(self) -> float:
+        """Outside the forward: the serving loop (scheduling, batch building, sampling)."""
+        return self.total - self.forward
+
+    @property
+    def other_ops(self) -> float:
+        """Inside the forward, outside attention: the model's own ops (linears, norms, RoPE, MLP)."""
+        return self.forward - self.attention
+
+
+class Timers:
+    """Hooks around the model's forward and a wrapper around its attention function, adding to `split`.
+
+    Both methods call that function (`generate` without a `PagedContext`, so transformers' SDPA runs). The timers
+    cost a few microseconds a step, under 0.1 % of a run."""
+
+    def __init__(self, model) -> None:
+        enable_paged_attention(model)
+        self.split = Split()
+        self._started = 0.0
+        AttentionInterface.register(ATTN_IMPLEMENTATION, self._attention)
+        self._hooks = [
+            model.register_forward_pre_hook(self._before),
+            model.register_forward_hook(self._after),
+        ]
+
+    def _attention(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return paged_attention_forward(*args, **kwargs)
+        finally:
+            self.split.attention += time.perf_counter() - start
+            self.split.attention_calls += 1
+
+    def _before(self, *_) -> None:
+        self._started = time.perf_counter()
+
+    def _after(self, *_) -> None:
+        self.split.forward += time.perf_counter() - self._started
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+def print_breakdown(generate: list[Split], engine: list[Split]) -> None:
+    """Medians over the rounds of each part, and of each round's speed-up with a part of the engine's cost
+    taken away: the ceilings of any engine that runs this model's own code."""
+    print(
+        f"{'median of rounds':<20} {'total s':>8} {'loop s':>7} {'attention s':>12} {'calls':>6} {'other ops s':>12}"
+    )
+    for name, runs in (("generate", generate), ("engine continuous", engine)):
+        med = {
+            part: statistics.median(getattr(r, part) for r in runs) for part in ("total", "loop", "attention")
+        }
+        other = statistics.median(r.other_ops for r in runs)
+        print(
+            f"{name:<20} {med['total']:>8.3f} {med['loop']:>7.3f} {med['attention']:>12.3f} "
+            f"{runs[0].attention_calls:>6} {other:>12.3f}"
+        )
+    ceilings = {
+        "measured": lambda g, e: e.total,
+        "if the engine's loop cost nothing": lambda g, e: e.forward,
+        "if, also, each attention call cost what generate's does on average": lambda g, e: (
+            e.other_ops + e.attention_calls * g.attention / g.attention_calls
+        ),
+        "if the engine ran only the model's other ops (no loop, no attention)": lambda g, e: e.other_ops,
+    }
+    print("speed-up over generate, median of rounds:")
+    for label, seconds in ceilings.items():
+        ratios = [g.total / seconds(g, e) for g, e in zip(generate, engine, strict=True)]
+        print(f"  {statistics.median(ratios):.2f}x {label}")
 
 
 def describe(name: str, engine: LLMEngine, outputs: list) -> float:
