@@ -216,12 +216,12 @@ def print_breakdown(generate: list[Split], engine: list[Split]) -> None:
     )
     for name, runs in (("generate", generate), ("engine continuous", engine)):
         med = {
-            part: statistics.median(getattr(r, part) for r in runs) for part in ("total", "loop", "attention")
+            part: statistics.median(getattr(r, part) for r in runs)
+            for part in ("total", "loop", "attention", "other_ops")
         }
-        other = statistics.median(r.other_ops for r in runs)
         print(
             f"{name:<20} {med['total']:>8.3f} {med['loop']:>7.3f} {med['attention']:>12.3f} "
-            f"{runs[0].attention_calls:>6} {other:>12.3f}"
+            f"{runs[0].attention_calls:>6} {med['other_ops']:>12.3f}"
         )
     ceilings = {
         "measured": lambda g, e: e.total,
