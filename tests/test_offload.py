@@ -471,6 +471,65 @@ def test_saved_kv_reloads_to_the_same_continuation(model, tmp_path):
         save_kv(DynamicCache(config=model.config), tmp_path / "empty.kv")
 
 
+def cap_each_call(monkeypatch, cap: int) -> list[int]:
+    """os.pwritev and os.preadv that move at most `cap` bytes a call, as Linux moves at most 2 GiB - 4 KiB
+    (MAX_RW_COUNT); returns the sizes each call asked for."""
+    asked: list[int] = []
+    write, read = os.pwritev, os.preadv
+
+    def capped(call):
+        def move(fd, buffers, offset):
+            (view,) = buffers
+            asked.append(len(view))
+            return call(fd, [memoryview(view)[:cap]], offset)
+
+        return move
+
+    monkeypatch.setattr(os, "pwritev", capped(write))
+    monkeypatch.setattr(os, "preadv", capped(read))
+    return asked
+
+
+def test_saved_kv_round_trips_through_calls_that_move_less_than_asked(model, tmp_path, monkeypatch):
+    """Chapter 12 at GPU sizes saves exactly 2 GiB, more than one call moves: save and load loop in aligned
+    chunks (here 5 pages) and again after each short transfer (here 3 pages), and the bytes come back exact."""
+    from kvlab.offload import direct_io
+
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(_ids(30), cache=cache, use_cache=True)
+    monkeypatch.setattr(direct_io, "CHUNK", 5 * ALIGN)
+    asked = cap_each_call(monkeypatch, 3 * ALIGN)
+    saved = save_kv(cache, tmp_path / "prompt.kv")
+    assert saved.file_bytes > 5 * ALIGN and max(asked) == 5 * ALIGN and all(n % ALIGN == 0 for n in asked)
+    loaded = load_kv(saved, "cpu")
+    for a, b in zip(cache.layers, loaded.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert len(asked) >= 2 * saved.file_bytes // (3 * ALIGN)
+
+
+def test_disk_tier_and_polled_reads_loop_on_short_transfers(model, tmp_path, monkeypatch):
+    """The disk tier's writes and its reads, polled (native AIO) or not, in chunks and past short transfers."""
+    from kvlab.offload import direct_io
+
+    monkeypatch.setattr(direct_io, "CHUNK", 2 * ALIGN)
+    asked = cap_each_call(monkeypatch, ALIGN)
+    once = PolledReader._read_once
+    polled: list[int] = []
+
+    def short_aio(self, fd, view, offset):
+        polled.append(len(view))
+        return once(self, fd, view[:ALIGN], offset)
+
+    monkeypatch.setattr(PolledReader, "_read_once", short_aio)
+    ids = _ids(40)
+    with OffloadedCache(model.config, "all", tier="disk", directory=tmp_path, block_bytes=4096) as cache:
+        ref, run = decode_lockstep(model, ids, 6, [None, cache])
+        assert ref.tokens == run.tokens and torch.equal(ref.logits, run.logits)
+    assert max(asked) <= 2 * ALIGN and len(asked) > 1
+    assert max(polled, default=0) <= 2 * ALIGN and (polled or not PolledReader().polled)
+
+
 # --- the claims, as the lab measures and checks them --------------------------------------------------------------
 
 

@@ -32,7 +32,15 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from kvlab.offload.direct_io import ALIGN, PolledReader, aligned_buffer, drop_page_cache, open_direct
+from kvlab.offload.direct_io import (
+    ALIGN,
+    PolledReader,
+    aligned_buffer,
+    drop_page_cache,
+    open_direct,
+    read_full,
+    write_full,
+)
 from kvlab.offload.tiers import compute_for
 
 
@@ -218,8 +226,8 @@ class DiskLayer(TierLayer):
         buf = aligned_buffer(len(data))
         try:
             buf[: len(data)] = data
-            written = os.pwritev(
-                self._fd, [memoryview(buf)[: len(data)]], self.disk_tokens * (len(data) // len(records))
+            written = write_full(
+                self._fd, memoryview(buf)[: len(data)], self.disk_tokens * (len(data) // len(records))
             )
         finally:
             buf.close()
@@ -274,7 +282,7 @@ class DiskLayer(TierLayer):
 
     def _read(self, view: memoryview) -> int:
         if self._reader is None:
-            return os.preadv(self._fd, [view], 0)
+            return read_full(self._fd, view, 0)
         return self._reader.read(self._fd, view, 0)
 
     def reread(self, clock: Callable[[], float] = time.perf_counter) -> tuple[int, float]:

@@ -17,18 +17,56 @@ import os
 import platform
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 # O_DIRECT wants offsets, sizes and buffer addresses aligned to the logical block size; 4 KiB covers it.
 ALIGN = 4096
+# Linux moves at most 2 GiB - 4 KiB in one read or write (MAX_RW_COUNT, include/linux/fs.h), native AIO
+# included: larger transfers go in chunks of 1 GiB, a multiple of ALIGN, so every chunk stays aligned.
+CHUNK = 1 << 30
 
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:
     """Anonymous memory of `nbytes` rounded up to `ALIGN`: page-aligned, as O_DIRECT requires."""
     return mmap.mmap(-1, max(ALIGN, -(-nbytes // ALIGN) * ALIGN))
+
+
+def _preadv(fd: int, view: memoryview, offset: int) -> int:
+    return os.preadv(fd, [view], offset)
+
+
+def read_full(
+    fd: int,
+    buffer: memoryview | mmap.mmap,
+    offset: int,
+    read: Callable[[int, memoryview, int], int] = _preadv,
+) -> int:
+    """Read len(buffer) bytes at `offset` into `buffer`, at most `CHUNK` per call of `read` and again after a
+    short read; the bytes read, fewer only where the file ends."""
+    view = memoryview(buffer).cast("B")
+    done = 0
+    while done < len(view):
+        n = read(fd, view[done : done + CHUNK], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def write_full(fd: int, buffer: memoryview | mmap.mmap, offset: int) -> int:
+    """Write `buffer` at `offset`, at most `CHUNK` per `pwritev` and again after a short write; the bytes
+    written."""
+    view = memoryview(buffer).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.pwritev(fd, [view[done : done + CHUNK]], offset + done)
+        if n == 0:
+            raise OSError(f"wrote {done:,} of {len(view):,} bytes: no progress at offset {offset + done:,}")
+        done += n
+    return done
 
 
 class _IOCB(ctypes.Structure):
@@ -93,9 +131,12 @@ class PolledReader:
                 pass
 
     def read(self, fd: int, view: memoryview, offset: int) -> int:
-        """Read len(view) bytes at `offset` into `view` (a writable, aligned buffer); the bytes read."""
-        if not self.polled:
-            return os.preadv(fd, [view], offset)
+        """Read len(view) bytes at `offset` into `view` (a writable, aligned buffer), in `read_full`'s chunks;
+        the bytes read."""
+        return read_full(fd, view, offset, self._read_once if self.polled else _preadv)
+
+    def _read_once(self, fd: int, view: memoryview, offset: int) -> int:
+        """One AIO read of at most len(view) bytes; the bytes read."""
         address = ctypes.addressof(ctypes.c_char.from_buffer(view))
         # IOCB_CMD_PREAD
         iocb = _IOCB(opcode=0, fildes=fd, buf=address, nbytes=len(view), offset=offset)

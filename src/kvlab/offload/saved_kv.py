@@ -1,7 +1,8 @@
 """A prompt's KV saved to one file on disk and read back, past the page cache (`O_DIRECT`).
 
 Each layer's K and V go to an aligned offset (`kvlab.offload.direct_io.ALIGN`), so the whole file is written and
-read in one aligned request; `load_kv` builds a `DynamicCache` that decodes on exactly as the saved one.
+read in aligned requests, one per GiB (`direct_io.CHUNK`: Linux moves at most 2 GiB - 4 KiB per call);
+`load_kv` builds a `DynamicCache` that decodes on exactly as the saved one.
 Chapter *Beyond HBM* (book/12_beyond_hbm).
 """
 
@@ -16,7 +17,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 from kvlab.env import pick_device
-from kvlab.offload.direct_io import ALIGN, aligned_buffer, drop_page_cache, open_direct
+from kvlab.offload.direct_io import ALIGN, aligned_buffer, drop_page_cache, open_direct, read_full, write_full
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def save_kv(cache: Cache, path: str | os.PathLike[str]) -> SavedKV:
     buf = aligned_buffer(len(blob))
     try:
         buf[: len(blob)] = blob
-        written = os.pwritev(fd, [memoryview(buf)[: len(blob)]], 0)
+        written = write_full(fd, memoryview(buf)[: len(blob)], 0)
         os.fsync(fd)
         if not direct:
             drop_page_cache(fd)
@@ -73,7 +74,7 @@ def load_kv(saved: SavedKV, device: str | torch.device | None = None) -> Dynamic
     try:
         if not direct:
             drop_page_cache(fd)
-        got = os.preadv(fd, [buf], 0)
+        got = read_full(fd, buf, 0)
         if got != saved.file_bytes:
             raise OSError(f"read {got} of {saved.file_bytes} bytes from {saved.path}")
         raw = torch.frombuffer(buf, dtype=torch.uint8, count=saved.file_bytes).clone()

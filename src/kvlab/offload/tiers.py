@@ -29,7 +29,14 @@ import torch
 
 from kvlab.checks import check_count
 from kvlab.env import device_name, pick_device
-from kvlab.offload.direct_io import ALIGN, aligned_buffer, drop_page_cache, open_direct, scratch_dir
+from kvlab.offload.direct_io import (
+    ALIGN,
+    aligned_buffer,
+    drop_page_cache,
+    open_direct,
+    read_full,
+    scratch_dir,
+)
 from kvlab.specs import hardware
 
 MiB = 2**20
@@ -269,11 +276,12 @@ def _write_file(path: Path, nbytes: int, chunk_bytes: int) -> None:
 
 
 def _read_file(fd: int, buf: mmap.mmap) -> int:
-    total, offset = 0, 0
+    """The whole file, one `buf` at a time (`read_full`: a buffer past Linux's 2 GiB per call goes in chunks);
+    the bytes read."""
+    total = 0
     while True:
-        n = os.preadv(fd, [buf], offset)
+        n = read_full(fd, buf, total)
         total += n
-        offset += n
         if n < len(buf):
             return total
 
