@@ -290,6 +290,35 @@ def test_model_runner_owns_pool_and_profiles_blocks(llama):
     assert engine.block_manager.num_blocks == blocks
 
 
+def fake_cuda(monkeypatch, free, total, reserved, context):
+    """torch.cuda's memory readings as a GPU shared with other processes would give them."""
+    from kvlab.engine import model_runner
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
+    monkeypatch.setattr(model_runner, "cuda_context_bytes", lambda device=None: context)
+
+
+def test_cuda_sizing_refuses_when_other_processes_hold_the_gpu(llama, monkeypatch):
+    """Two engines sized from memory on one GPU: the second finds the first's 92 % taken and says what to give
+    instead, rather than sizing a pool the device cannot hold."""
+    from kvlab.engine.model_runner import GPU_MEMORY_UTILIZATION, cuda_capacity
+
+    gib, cuda = 2**30, torch.device("cuda:0")
+    # alone on an 80 GiB GPU: 2 GiB of weights in PyTorch's cache, a 0.5 GiB context
+    fake_cuda(monkeypatch, free=int(77.5 * gib), total=80 * gib, reserved=2 * gib, context=gib // 2)
+    assert cuda_capacity(cuda) == (80 * gib, GPU_MEMORY_UTILIZATION, gib // 2)
+    # another process holds 74 GiB: what is left cannot hold 92 % of the device
+    fake_cuda(monkeypatch, free=int(3.5 * gib), total=80 * gib, reserved=2 * gib, context=int(74.5 * gib))
+    with pytest.raises(ValueError, match="give the engine num_blocks or memory_budget_bytes"):
+        cuda_capacity(cuda)
+    # the runner refuses before it profiles anything on the device
+    runner = ModelRunner(llama, EngineConfig(block_size=8, num_blocks=10))
+    runner.device = cuda
+    with pytest.raises(ValueError, match=r"^cuda:0: 3\.5 GiB free of 80 GiB, .*num_blocks"):
+        runner.profile_num_blocks(None, 64)
+
+
 def test_the_parts_report_blocks_and_preemptions(llama):
     engine = LLMEngine(llama, block_size=4, num_blocks=12, enable_prefix_caching=True)
     bm = engine.block_manager

@@ -10,7 +10,9 @@ capacity take the engine cap, the memory outside PyTorch, the weights (measured 
 peak activation of a profiled forward over `max_num_batched_tokens` tokens; whole blocks of the rest hold KV. On a
 GPU the capacity is the device's TOTAL memory (`torch.cuda.mem_get_info`) with vLLM's `gpu_memory_utilization`
 of vLLM's default (kvlab.specs.vllm_defaults) and the measured CUDA context (`kvlab.measure.cuda_context_bytes`); on CPU, or when `memory_budget_bytes`
-is given, the capacity is that budget, all of it usable (utilisation 1.0, no runtime term).
+is given, the capacity is that budget, all of it usable (utilisation 1.0, no runtime term). Where other processes
+hold so much of the GPU that this share does not fit in what is free, sizing refuses, as vLLM does at startup
+(`cuda_capacity`): engines that share a GPU each need `num_blocks` or `memory_budget_bytes`.
 
 Hybrid models (sliding and full layers, Gemma 3) get one block table per KV-cache group (`kvlab.engine.kv_pool.
 kv_cache_groups`); each step builds one `PagedContext` per group and every layer reads its group's.
@@ -81,6 +83,30 @@ def eos_token_ids(model: PreTrainedModel) -> frozenset[int]:
     return frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
 
 
+def cuda_capacity(device: torch.device) -> tuple[int, float, int]:
+    """(capacity, utilisation, runtime bytes) of a CUDA budget sized as vLLM sizes it: the device's total memory
+    × `GPU_MEMORY_UTILIZATION`, less this process's memory outside PyTorch (`cuda_context_bytes`).
+
+    Refuses, in one line naming `num_blocks` and `memory_budget_bytes`, when other processes hold so much of the
+    device that this share no longer fits in what they leave: the memory free now plus what PyTorch already
+    holds here (the weights, the profiled forward). vLLM refuses the same way at startup (vLLM 0.33.0
+    `vllm/v1/worker/gpu_worker.py` `init_device`: free memory below gpu_memory_utilization × total)."""
+    # Measured first: it synchronises and initialises CUDA, so the readings below are of settled memory.
+    runtime = cuda_context_bytes(device)
+    free, total = torch.cuda.mem_get_info(device)
+    requested = int(total * GPU_MEMORY_UTILIZATION)
+    # This process's PyTorch memory counts as its own; whatever else is used belongs to its runtime or to others.
+    available = int(free) + int(torch.cuda.memory_reserved(device))
+    if available < requested:
+        raise ValueError(
+            f"{device}: {format_bytes(int(free))} free of {format_bytes(int(total))}, "
+            f"{format_bytes(int(total) - available)} held outside this process's PyTorch (other processes, the "
+            f"CUDA context): the {GPU_MEMORY_UTILIZATION:.0%} budget ({format_bytes(requested)}) does not fit; "
+            "give the engine num_blocks or memory_budget_bytes"
+        )
+    return int(total), GPU_MEMORY_UTILIZATION, runtime
+
+
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, config: EngineConfig) -> None:
         self.model = model
@@ -134,15 +160,12 @@ class ModelRunner:
         """KV blocks that fit in the memory budget after the weights and a `tokens`-token forward's peak
         activation, computed by `kvlab.costs.budget.MemoryBudget` (kept as `self.memory_budget`, logged line by line).
 
-        `budget=None`: on a GPU, total device memory × vLLM's default gpu_memory_utilization less the CUDA context; on CPU,
-        `DEFAULT_CPU_BUDGET`. A given `budget` is used whole (utilisation 1.0, no runtime term)."""
+        `budget=None`: on a GPU, total device memory × vLLM's default gpu_memory_utilization less the CUDA context
+        (`cuda_capacity`, which refuses when other processes leave too little free); on CPU, `DEFAULT_CPU_BUDGET`.
+        A given `budget` is used whole (utilisation 1.0, no runtime term)."""
         if budget is None and self.device.type == "cuda":
-            _, total = torch.cuda.mem_get_info(self.device)
-            capacity, utilization = int(total), GPU_MEMORY_UTILIZATION
-            runtime, runtime_source = (
-                cuda_context_bytes(self.device),
-                "measured (kvlab.measure.cuda_context_bytes)",
-            )
+            capacity, utilization, runtime = cuda_capacity(self.device)
+            runtime_source = "measured (kvlab.measure.cuda_context_bytes)"
         else:
             capacity = DEFAULT_CPU_BUDGET if budget is None else int(budget)
             utilization, runtime, runtime_source = 1.0, 0, "none counted: the budget is given"
