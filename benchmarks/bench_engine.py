@@ -49,16 +49,19 @@ PAD = 0
 @torch.inference_mode()
 def run_generate(model, trace: list[TraceRequest], batch: int) -> float:
     """Seconds to serve the trace with padded static batches of `model.generate`."""
+    # the inputs go where the model is: tiny_model puts it on cuda when there is one
+    device = model.device
     start = time.perf_counter()
     for i in range(0, len(trace), batch):
         group = trace[i : i + batch]
         width = max(len(r.prompt_token_ids) for r in group)
         ids = torch.tensor(
-            [[PAD] * (width - len(r.prompt_token_ids)) + list(r.prompt_token_ids) for r in group]
+            [[PAD] * (width - len(r.prompt_token_ids)) + list(r.prompt_token_ids) for r in group],
+            device=device,
         )
         mask = (
-            torch.arange(width)[None]
-            >= torch.tensor([width - len(r.prompt_token_ids) for r in group])[:, None]
+            torch.arange(width, device=device)[None]
+            >= torch.tensor([width - len(r.prompt_token_ids) for r in group], device=device)[:, None]
         ).long()
         longest = max(r.max_tokens for r in group)
         model.generate(
@@ -98,8 +101,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(env_report("cpu"))
     model = tiny_model("llama", layers=4, hidden=256, heads=8, kv_heads=4, vocab=1024)
+    print(env_report(model.device))
     trace = synthetic_trace(
         args.requests, "alpaca", scale=args.scale, vocab_size=1024, seed=args.seed, max_input_len=256,
         max_output_len=256,

@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from kvlab.book.report import Table
-from kvlab.env import env_report, pick_device
+from kvlab.env import compute_dtype, env_report, pick_device
 from kvlab.experiments.timing import compare_decode
 from kvlab.models import tiny_model
 from kvlab.specs import hardware, sizing
@@ -41,18 +41,13 @@ def main() -> None:
     parser.add_argument("--batches", type=_ints, default=[1, 4, 16])
     parser.add_argument("--contexts", type=_ints, default=[16, 256, 1024])
     parser.add_argument("--repeat", type=int, default=7)
-    parser.add_argument("--dtype", default=None, help="model dtype (default: fp32 on CPU, bf16 on GPU)")
+    parser.add_argument("--dtype", default=None, help="model dtype (default: kvlab.env.compute_dtype)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)
-    dtype = (
-        getattr(torch, args.dtype)
-        if args.dtype
-        else torch.float32
-        if device.type == "cpu"
-        else torch.bfloat16
-    )
+    # the book's dtype for the device: fp32 on CPU, bf16 where the GPU has bf16 tensor cores, else fp16 (a T4)
+    dtype = getattr(torch, args.dtype) if args.dtype else compute_dtype(device)
 
     hw = hardware.measure(device, dtype=dtype)
     model = tiny_model(
