@@ -80,3 +80,12 @@ def test_bench_engine_puts_generate_s_inputs_on_the_model_s_device():
 
     bench.run_generate(Model(), trace, 2)
     assert seen == [(torch.device("meta"), torch.device("meta"), (2, 3))]
+
+
+def test_allocator_slack_is_a_reused_cuda_block_s_and_none_on_cpu():
+    """Chapters 5 and 7 assert what building an engine leaves allocated: exactly on CPU; on CUDA a cached block
+    reused for the pool may be up to 1 MiB larger than asked (the allocator splits it only past 1 MiB)."""
+    from kvlab import measure
+
+    assert measure.allocator_slack_bytes("cpu") == 0
+    assert measure.allocator_slack_bytes("cuda:0") == measure.CUDA_REUSED_BLOCK_SLACK == 2**20

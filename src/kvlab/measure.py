@@ -262,6 +262,19 @@ class _TensorAccounting(TorchDispatchMode):
         return out
 
 
+# PyTorch's CUDA caching allocator hands out a cached free block whole, unsplit, when what would be left over is
+# at most 1 MiB (kSmallSize; `should_split` in c10/cuda/CUDACachingAllocator.cpp), and memory_allocated counts the
+# whole block: an allocation served from the cache can count up to 1 MiB more than its tensor holds.
+CUDA_REUSED_BLOCK_SLACK = 1 << 20
+
+
+def allocator_slack_bytes(device: str | torch.device | None = None) -> int:
+    """Bytes by which `MemoryTracker`'s retained bytes may exceed the tensors allocated: `CUDA_REUSED_BLOCK_SLACK`
+    on CUDA, whose allocator may hand out a reused block larger than asked; 0 on CPU, where it counts storages
+    exactly."""
+    return CUDA_REUSED_BLOCK_SLACK if pick_device(device).type == "cuda" else 0
+
+
 @dataclass
 class MemoryTracker:
     """Peak and retained bytes of what a block allocates.
