@@ -1,6 +1,7 @@
 """kvlab.disagg: a prompt's K/V moved from a prefill engine to a decode engine gives one engine's greedy tokens,
 and the bytes moved per request are `kvlab.specs.sizing`'s for the prompt, in one process and across two."""
 
+import dataclasses
 import functools
 
 import pytest
@@ -121,12 +122,15 @@ def test_two_processes(llama, prompts, reference, overlap):
     result = pd.run_disaggregated(
         factory,
         prompts,
-        PARAMS,
+        dataclasses.replace(PARAMS, logprobs=2),
         EngineConfig(block_size=4, num_blocks=80, max_num_batched_tokens=16),
         EngineConfig(block_size=4, num_blocks=400, enable_prefix_caching=True),
         overlap=overlap,
     )
     assert result.token_ids == reference
+    # every token's two best ids, the first token's from the prefill process, each led by the greedy token
+    for tokens, top in zip(result.token_ids, result.top_token_ids, strict=True):
+        assert top is not None and [t[0] for t in top] == tokens and all(len(t) == 2 for t in top)
     assert result.kv_bytes == [sizing.kv_cache_bytes(llama.config, len(p), 1, "fp32") for p in prompts]
     assert result.backend == pd.placement()[0]
     assert result.link.bytes_per_s > 0

@@ -84,7 +84,9 @@ class LinkFit:
 @dataclass
 class RequestTrace:
     """One request's path, in `time.perf_counter` seconds: queued at prefill, first token there, payload sent
-    and received whole, finished at decode; `kv_bytes` sent and the seconds the receiver waited for them."""
+    and received whole, finished at decode; `kv_bytes` sent and the seconds the receiver waited for them; with
+    `SamplingParams(logprobs=k)`, each token's k best ids (the first from the prefill process, the rest from
+    the decode process), for `kvlab.agreement`'s near-tie rule."""
 
     request_id: str
     prompt_len: int
@@ -97,6 +99,7 @@ class RequestTrace:
     transfer_s: float = 0.0
     finished: float = 0.0
     token_times: list[float] = field(default_factory=list)
+    top_token_ids: list[list[int]] | None = None
 
     @property
     def ttft(self) -> float:
@@ -118,6 +121,11 @@ class DisaggResult:
     @property
     def kv_bytes(self) -> list[int]:
         return [t.kv_bytes for t in self.traces]
+
+    @property
+    def top_token_ids(self) -> list[list[list[int]] | None]:
+        """Per prompt, each token's best ids (None where the run asked for no `logprobs`)."""
+        return [t.top_token_ids for t in self.traces]
 
     def transfer_ratios(self, link: LinkFit | None = None) -> list[float]:
         """Each request's measured transfer over what `link` (default: this run's fit) predicts for its bytes."""
@@ -200,6 +208,10 @@ def run_disaggregated(
     traces: list[RequestTrace] = got[1]["traces"]
     for trace in traces:
         trace.arrival, trace.first_token, trace.sent = got[0]["times"][trace.request_id]
+        first = got[0]["top"].get(trace.request_id)
+        if first is not None:
+            # the first token's candidates are the prefill's, the rest the decode engine's
+            trace.top_token_ids = [first, *(trace.top_token_ids or [])]
     return DisaggResult(
         [t.token_ids for t in traces], traces, backend, (devices[0], devices[1]), LinkFit.fit(got[1]["probe"])
     )
@@ -234,8 +246,8 @@ def _worker(
         model = factory(device=device)
         if rank == 0:
             _probe_send(probe, link)
-            times = _serve_prefill(model, prompts, params, prefill or EngineConfig(), link, overlap)
-            value: Any = {"times": times}
+            times, top = _serve_prefill(model, prompts, params, prefill or EngineConfig(), link, overlap)
+            value: Any = {"times": times, "top": top}
         else:
             # One receive buffer, its pages touched now, as vLLM's decode side receives into its registered pool:
             # a fresh buffer per transfer would charge each its page faults.
@@ -318,7 +330,8 @@ def _serve_prefill(
     config: EngineConfig,
     link: torch.device,
     overlap: bool,
-) -> dict[str, tuple[float, float, float]]:
+) -> tuple[dict[str, tuple[float, float, float]], dict[str, list[int]]]:
+    """Each request's (arrival, first token, sent) times, and its first token's best ids where asked for."""
     engine = LLMEngine(model, config)
     capture = KVCapture(engine)
     outbox: queue.Queue[tuple[list[int], torch.Tensor | None] | None] = queue.Queue()
@@ -332,11 +345,14 @@ def _serve_prefill(
     for i, prompt in enumerate(prompts):
         engine.add_request(prompt, first, request_id=f"req-{i}")
     times = {}
+    top: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             now = time.perf_counter()
             item = capture.take(out, params)
             times[out.request_id] = (arrival, now)
+            if out.top_token_ids:
+                top[out.request_id] = out.top_token_ids[0]
             done = int(item.finish_reason is not None)
             header = [
                 index[out.request_id],
@@ -353,7 +369,7 @@ def _serve_prefill(
     else:
         # Every prompt is prefilled: the transfers run now, one at a time, each acknowledged.
         _sender(outbox, link, sent, True)
-    return {rid: (*times[rid], sent[i]) for rid, i in index.items()}
+    return {rid: (*times[rid], sent[i]) for rid, i in index.items()}, top
 
 
 def _sender(
@@ -422,6 +438,7 @@ def _serve_decode(
             for out in engine.step():
                 i = index[out.request_id]
                 traces[i].token_ids = out.token_ids
+                traces[i].top_token_ids = out.top_token_ids
                 traces[i].finished = now
     if len(traces) != len(prompts):
         raise RuntimeError(f"received {len(traces)} of {len(prompts)} requests")
