@@ -89,3 +89,21 @@ def test_allocator_slack_is_a_reused_cuda_block_s_and_none_on_cpu():
 
     assert measure.allocator_slack_bytes("cpu") == 0
     assert measure.allocator_slack_bytes("cuda:0") == measure.CUDA_REUSED_BLOCK_SLACK == 2**20
+
+
+def test_lab_17_sizes_every_engine_it_builds():
+    """On one GPU, lab 17's own engine and the two processes of pd.run_disaggregated share cuda:0: an engine
+    sized from memory takes 92 % of the device, and the next one has none left. Each gets `num_blocks`."""
+    import ast
+
+    cells = json.loads((ROOT / "book" / "17_cluster" / "lab.ipynb").read_text())["cells"]
+    calls = [
+        node
+        for cell in cells
+        if cell["cell_type"] == "code" and "google.colab" not in "".join(cell["source"])
+        for node in ast.walk(ast.parse("".join(cell["source"])))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("LLMEngine", "EngineConfig")
+    ]
+    assert len(calls) >= 3
+    unsized = [ast.unparse(c) for c in calls if "num_blocks" not in {k.arg for k in c.keywords}]
+    assert not unsized, f"engines sized from memory: {unsized}"

@@ -6,7 +6,7 @@ import torch
 from transformers import QuantizedCache
 
 from kvlab import kv_format, measure, models
-from kvlab.agreement import compare_tokens, generate_with_top_k
+from kvlab.agreement import check_tokens_close, compare_tokens, generate_with_top_k
 from kvlab.book.report import keeps_tokens
 from kvlab.experiments import quant
 
@@ -132,6 +132,12 @@ def test_greedy_gives_generates_tokens_with_every_variant(method):
     out = model.generate(ids, cache=cache, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert run.tokens == out[0, 12:].tolist() and first[0] not in run.tokens
     assert run.seconds_per_token > 0 and run.agreement == 1
+    # each step's two best ids, the chosen token first: generate's tokens agree under the near-tie rule
+    assert [top[0] for top in run.top_token_ids] == run.tokens and {len(t) for t in run.top_token_ids} == {2}
+    cache = quant.cache_factory(method, model, **options)()
+    kw = dict(stop_at_eos=False, cache=cache, min_new_tokens=6)
+    tokens, tops = generate_with_top_k(model, ids, 6, 2, **kw)
+    assert check_tokens_close([run.tokens], tokens, [run.top_token_ids], tops)[0].exact
 
 
 def test_sliding_layers_stay_full_precision_and_generate_works():

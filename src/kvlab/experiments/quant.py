@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -580,6 +580,8 @@ class GreedyRun:
     tokens: list[int]
     reference: list[int]
     seconds_per_token: float
+    # per generated token, the ids of the `top_k` largest logits, the chosen token first (kvlab.agreement's rule)
+    top_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def agreement(self) -> float:
@@ -601,12 +603,15 @@ def greedy(
     method: str | None,
     steps: int,
     reference: list[int] | None = None,
+    top_k: int = 2,
     **options: Any,
 ) -> GreedyRun:
     """Greedy decoding of `steps` tokens with a cache variant (None: `DynamicCache`), timed per token.
 
     The loop is `kvlab.experiments.decode.greedy_decode` into a fresh cache of `method`, choosing no end-of-sequence token (the
-    tokens of `generate(..., min_new_tokens=steps)`), timed once by `kvlab.measure.time_call`.
+    tokens of `generate(..., min_new_tokens=steps)`), timed once by `kvlab.measure.time_call`. Each step's `top_k`
+    best token ids are kept, from the logits after the timing, so that another path's tokens can be compared
+    with these under `kvlab.agreement`'s near-tie rule.
     """
     device = next(model.parameters()).device
     ids = ids.to(device).reshape(1, -1)
@@ -619,7 +624,10 @@ def greedy(
         warmup=0,
     )
     tokens = runs[0].tokens[0]
-    return GreedyRun(str(method), tokens, reference if reference is not None else tokens, seconds[0] / steps)
+    top = runs[0].top_token_ids(top_k)[0]
+    return GreedyRun(
+        str(method), tokens, reference if reference is not None else tokens, seconds[0] / steps, top
+    )
 
 
 @dataclass
