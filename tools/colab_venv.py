@@ -224,6 +224,7 @@ def build(venv: Path) -> float:
     key = hashlib.sha256(
         b"".join((ROOT / f).read_bytes() for f in ("pyproject.toml", "requirements.txt"))
         + COLAB_FREEZE.read_bytes()
+        + Path(__file__).read_bytes()
         + json.dumps([extra_installs(chosen), COLAB_PRELOADED]).encode()
         + RUNNER.encode()
         + " ".join(KERNEL_PACKAGES + NBVAL_PACKAGES).encode()
