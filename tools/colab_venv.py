@@ -378,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         results = list(pool.map(lambda lab: execute(args.venv.resolve(), lab, args.out.resolve()), chosen))
     for lab, _ok, message, seconds in results:
-        print(f"{lab.relative_to(ROOT)}: {message} ({seconds:.0f} s wall)")
+        print(
+            f"{lab.relative_to(ROOT) if lab.is_relative_to(ROOT) else lab}: {message} ({seconds:.0f} s wall)"
+        )
     failed = [lab for lab, ok, _, _ in results if not ok]
     print(
         f"{len(results) - len(failed)}/{len(results)} labs ran in the clean venv "
