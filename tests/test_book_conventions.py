@@ -353,3 +353,59 @@ def test_stored_figure_problems_are_found(tmp_path):
 def test_stored_figures_have_no_colliding_labels(lab):
     # The browser stage reports the same records; here they fail in seconds, before any lab runs.
     assert not stored_figure_problems(lab)
+
+
+# A lab's outputs are read on a page: a cell whose text output runs past this many characters is a log, not a
+# result (lab 15 once printed 100 KB of RequestOutput reprs). Figures and glued records are not text.
+MAX_TEXT_OUTPUT_CHARS = 20_000
+
+
+def text_output_chars(cell) -> int:
+    total = 0
+    for output in cell.get("outputs", []):
+        if output.get("output_type") == "stream":
+            total += len("".join(output.get("text", "")))
+        for mime, value in output.get("data", {}).items():
+            if mime in ("text/plain", "text/html", "text/markdown"):
+                total += len("".join(value) if isinstance(value, list) else str(value))
+    return total
+
+
+def only_glues(cell) -> bool:
+    """Every statement of the cell is a call of glue or glue_all: it shows the reader nothing but plumbing."""
+    import ast
+
+    try:
+        body = ast.parse(source(cell)).body
+    except SyntaxError:
+        return False
+    return bool(body) and all(
+        isinstance(s, ast.Expr)
+        and isinstance(s.value, ast.Call)
+        and isinstance(s.value.func, ast.Name)
+        and s.value.func.id in ("glue", "glue_all")
+        for s in body
+    )
+
+
+def test_glue_only_cells_and_long_outputs_are_found():
+    glue_cell = {
+        "cell_type": "code",
+        "metadata": {},
+        "source": 'glue("a", 1, display=False)\nglue_all({"b": 2})\n',
+    }
+    assert only_glues(glue_cell) and not only_glues(dict(glue_cell, source="x = 1\nglue('a', x)\n"))
+    log = {"outputs": [{"output_type": "stream", "text": "x" * (MAX_TEXT_OUTPUT_CHARS + 1)}]}
+    assert text_output_chars(log) > MAX_TEXT_OUTPUT_CHARS
+
+
+@pytest.mark.parametrize("lab", LABS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_labs_end_as_pages_not_logs(lab):
+    glue_only = [c.get("id") for c in shown_code_cells(lab) if only_glues(c)]
+    assert not glue_only, f"tag these cells remove-input: they only glue values into the book: {glue_only}"
+    long = [
+        (c.get("id"), text_output_chars(c))
+        for c in code_cells(lab)
+        if text_output_chars(c) > MAX_TEXT_OUTPUT_CHARS
+    ]
+    assert not long, f"text outputs over {MAX_TEXT_OUTPUT_CHARS:,} characters: {long}"
