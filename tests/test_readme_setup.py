@@ -60,3 +60,12 @@ def test_without_github_block_runs_as_written(tmp_path):
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "layers 30" in done.stdout
+
+
+def test_the_intro_installs_as_the_readme_does():
+    """The book's first page tells a reader how to install kvlab with the same lines the test above runs."""
+    intro = (ROOT / "book" / "intro.md").read_text()
+    for line in readme_block("Without GitHub"):
+        if line.startswith("pip install"):
+            command = line.split("#")[0].strip()
+            assert command in intro, command
