@@ -190,3 +190,22 @@ def test_no_page_links_the_old_chinese_guide():
     assert not (BOOK / "zh_guide.md").exists()
     for path in [*BOOK.rglob("*.md"), ROOT / "_toc.yml", ROOT / "_toc_zh.yml", ROOT / "README.md"]:
         assert "zh_guide" not in path.read_text(), rel(path)
+
+
+def prose_of(page: Path) -> str:
+    """A Chinese page's prose: no front matter, code blocks, inline code, HTML tags or roles."""
+    text = re.sub(r"\A---\n.*?\n---\n", "", page.read_text(), flags=re.S)
+    # A fence that opens code (bare, a language, or a code directive) up to its closing fence.
+    text = re.sub(r"^(`{3,})(?:[\w+-]*|\{code(?:-block|-cell)?\}.*)\n.*?^\1\s*$", "", text, flags=re.S | re.M)
+    return re.sub(r"`[^`\n]*`|<[^>\n]+>", "", text)
+
+
+def test_chinese_prose_uses_chinese_quotation_marks():
+    """ASCII double quotes beside CJK text come out of Sphinx's smart quotes as two closing marks (”…”)."""
+    ascii_quoted = [
+        f"{rel(page)}: {line.strip()[:60]}"
+        for page in sorted((ROOT / "book" / "zh").glob("*.md"))
+        for line in prose_of(page).splitlines()
+        if '"' in line
+    ]
+    assert not ascii_quoted, f"use “…” in Chinese prose: {ascii_quoted}"
