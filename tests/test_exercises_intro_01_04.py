@@ -48,10 +48,12 @@ def test_intro_works_the_formula_for_llama_8b():
 
 def test_intro_states_what_32_users_hold_and_the_h100_pool():
     screen = first_screen("intro.md")
-    tokens = parse_tokens("10k")
+    # Chapter 5's long documents: one number for one quantity across the book.
+    tokens = 10_000
+    assert "32 × 10,000" in page("05_active_tokens/index.md")
     held = sizing.kv_cache_bytes(LLAMA_8B, tokens, 32, "bf16")
     weights = sizing.weight_bytes(LLAMA_8B, "bf16")
-    assert f"10k tokens ({tokens:,})" in screen
+    assert f"users at {tokens:,} tokens each" in screen
     assert f"**{format_bytes(held)}**" in screen
     assert f"{held / weights:.1f} times the model's {format_bytes(weights)} of weights" in screen
 

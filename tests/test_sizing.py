@@ -377,3 +377,12 @@ def test_holders_name_ties_together():
     assert sizing.holders([llama, falcon], falcon.kv_bytes_per_token) == ([falcon], "tiiuae/falcon-7b")
     with pytest.raises(ValueError, match="no model of the 2 given needs 1 KV bytes per token"):
         sizing.holders([llama, falcon], 1)
+
+
+def test_holders_name_a_tie_in_chinese_too():
+    llama2 = sizing.model_size("meta-llama/Llama-2-13b-hf", "bf16", "bf16")
+    opt = sizing.model_size("facebook/opt-13b", "bf16", "bf16")
+    _, en = sizing.holders([llama2, opt], llama2.kv_bytes_per_token)
+    _, zh = sizing.holders([llama2, opt], llama2.kv_bytes_per_token, lang="zh")
+    assert en.startswith("meta-llama/Llama-2-13b-hf and facebook/opt-13b (a tie: both have 40 layers")
+    assert zh.startswith("meta-llama/Llama-2-13b-hf 和 facebook/opt-13b（并列：两者都是 40 层")

@@ -1,5 +1,7 @@
 """kvlab.units: the formats every page and CLI line prints numbers in."""
 
+import pytest
+
 from kvlab.units import format_bytes
 
 
@@ -18,3 +20,14 @@ def test_format_bytes_never_prints_an_exponent_below_a_tebibyte():
     for n in (999.6, 1000, 1012.5, 1023.4):
         for scale in (2**10, 2**20, 2**30):
             assert "e" not in format_bytes(n * scale), n * scale
+
+
+def test_join_words_says_a_list_in_either_edition():
+    from kvlab.units import join_words
+
+    assert join_words(["2"]) == join_words(["2"], "zh") == "2"
+    assert join_words(["2", "1"]) == "2 and 1" and join_words(["2", "1"], "zh") == "2 和 1"
+    assert join_words(["2", "3", "4", "10"]) == "2, 3, 4 and 10"
+    assert join_words(["2", "3", "4", "10"], "zh") == "2、3、4 和 10"
+    with pytest.raises(ValueError, match="unknown language 'fr'"):
+        join_words(["a", "b"], "fr")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 from typing import TYPE_CHECKING
 
@@ -55,6 +56,17 @@ def format_tokens(n: int) -> str:
     if n >= 1024 and n % 1024 == 0:
         return f"{n // 1024}k"
     return str(n)
+
+
+def join_words(items: Sequence[str], lang: str = "en") -> str:
+    """A list as a chapter's prose says it: "a, b and c" in English, "a、b 和 c" in Chinese (the zh edition)."""
+    words = [str(item) for item in items]
+    if lang not in ("en", "zh"):
+        raise ValueError(f"unknown language {lang!r}: 'en' or 'zh'")
+    if len(words) < 2:
+        return "".join(words)
+    head, last = words[:-1], words[-1]
+    return ", ".join(head) + " and " + last if lang == "en" else "、".join(head) + " 和 " + last
 
 
 def format_count(n: int, noun: str) -> str:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from kvlab.checks import check_count
 from kvlab.specs.arch import ArchSpec, UnsupportedConfigError
 from kvlab.specs.shape import DType, WeightGroup, prepare, shape, weight_groups
-from kvlab.units import dtype_bytes
+from kvlab.units import dtype_bytes, join_words
 
 if TYPE_CHECKING:
     import torch
@@ -373,21 +373,25 @@ def cached_shapes(config: PretrainedConfig | str) -> str:
     return " / ".join(dict.fromkeys(shapes))
 
 
-def holders(sizes: list[ModelSize], kv_bytes_per_token: int) -> tuple[list[ModelSize], str]:
-    """The models of `sizes` whose cache per token is `kv_bytes_per_token`, and a phrase naming them.
+def holders(sizes: list[ModelSize], kv_bytes_per_token: int, lang: str = "en") -> tuple[list[ModelSize], str]:
+    """The models of `sizes` whose cache per token is `kv_bytes_per_token`, and a phrase naming them, in English
+    or Chinese (`lang`, chapter 2 of either edition).
 
     Ties are named together; a tie of two models with the same layers and shapes says so."""
     group = [s for s in sizes if s.kv_bytes_per_token == kv_bytes_per_token]
     if not group:
         raise ValueError(f"no model of the {len(sizes)} given needs {kv_bytes_per_token} KV bytes per token")
-    names = [s.name for s in group]
-    text = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+    text = join_words([s.name for s in group], lang)
     layouts = {(s.layers, cached_shapes(s.name)) for s in group}
     if len(group) == 2 and len(layouts) == 1:
         ((num_layers, per_layer),) = layouts
-        text += f" (a tie: both have {num_layers} layers of {per_layer})"
+        text += (
+            f" (a tie: both have {num_layers} layers of {per_layer})"
+            if lang == "en"
+            else f"（并列：两者都是 {num_layers} 层，每层 {per_layer}）"
+        )
     elif len(group) > 1:
-        text += " (a tie)"
+        text += " (a tie)" if lang == "en" else "（并列）"
     return group, text
 
 
