@@ -29,6 +29,7 @@ EDITIONS = ("en", "zh")
 ZH_ROOT = "zh"
 CHAPTER = re.compile(r"^book/(?P<chapter>[^/]+)/index$")
 ZH_PAGE = re.compile(r"^book/zh/(?P<chapter>[^/]+)$")
+FIGURES_IN_ENGLISH = '<span class="kvlab-figures-note">本页的图由英文实验绘制，图中文字为英文。</span> '
 LABEL = {"en": ("中文版", "zh-CN", "本页的中文版"), "zh": ("English", "en", "This page in English")}
 
 
@@ -112,15 +113,36 @@ def edition_link(app, pagename, templatename, context, doctree) -> None:
         return
     text, lang, title = LABEL[edition]
     uri = other_edition_uri(pagename, target, edition)
+    # The labs draw the figures, in English: a Chinese page with figures says so once, beside the link.
+    note = FIGURES_IN_ENGLISH if edition == "zh" and "<img" in context["body"] else ""
     # <nav>: page chrome, not prose (tools/prose.py skips it).
     context["body"] = (
-        f'<nav class="kvlab-edition" aria-label="{title}" style="text-align: right"><a href="{uri}" hreflang="{lang}" lang="{lang}"'
+        f'<nav class="kvlab-edition" aria-label="{title}" style="text-align: right">{note}<a href="{uri}" hreflang="{lang}" lang="{lang}"'
         f' title="{title}">{text}</a></nav>\n' + context["body"]
     )
+
+
+# How the Chinese edition's previous/next buttons mark a page that is in English (its labs).
+ENGLISH_NEIGHBOUR = "（英文）"
+
+
+def label_english_neighbours(app, pagename, templatename, context, doctree) -> None:
+    """In the Chinese edition, the previous/next buttons say when they lead to an English page (a lab), so that
+    "下一页" never opens English without a word."""
+    if edition_of(app.config) != "zh":
+        return
+    for key in ("prev", "next"):
+        neighbour = context.get(key)
+        if not neighbour or not neighbour.get("link"):
+            continue
+        target = posixpath.normpath(posixpath.join(posixpath.dirname(pagename), neighbour["link"]))
+        if not target.startswith("book/zh/") and not neighbour["title"].endswith(ENGLISH_NEIGHBOUR):
+            context[key] = dict(neighbour, title=neighbour["title"] + ENGLISH_NEIGHBOUR)
 
 
 def setup(app):
     app.add_config_value("kvlab_edition", "en", "env")
     app.add_post_transform(CrossEditionLinks)
     app.connect("html-page-context", edition_link)
+    app.connect("html-page-context", label_english_neighbours)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

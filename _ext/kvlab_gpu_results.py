@@ -38,27 +38,16 @@ def table_node(columns, rows) -> nodes.table:
     return table
 
 
-# What a page says before any GPU run is recorded, per edition: (kind, text) parts, "{json}" the record's path.
+# What a page says before any GPU run is recorded, per edition: one line for readers. How to record a run is
+# the maintainers' business (docs/running.md, "On a GPU").
 NO_RUN_NOTES = {
     "en": [
         ("strong", "Measured on a GPU: "),
-        ("text", "{no_run} for this chapter. "),
-        ("literal", "make gpu"),
-        ("text", " on a GPU machine runs the lab at the sizes of "),
-        ("literal", "book/gpu_params.yaml"),
-        ("text", " and writes "),
-        ("literal", "{json}"),
-        ("text", ", which this page then shows beside the CPU figures."),
+        ("text", "{no_run} for this chapter; the figures on this page come from a CPU."),
     ],
     "zh": [
         ("strong", "GPU 实测："),
-        ("text", "本章还没有记录 GPU 运行。在 GPU 机器上运行 "),
-        ("literal", "make gpu"),
-        ("text", "，它按 "),
-        ("literal", "book/gpu_params.yaml"),
-        ("text", " 的规模运行实验并写出 "),
-        ("literal", "{json}"),
-        ("text", "，本页随后会把它与 CPU 的数字并列显示。"),
+        ("text", "本章还没有记录 GPU 运行；本页的数字来自 CPU。"),
     ],
 }
 _NODES = {"strong": nodes.strong, "literal": nodes.literal}
@@ -70,7 +59,7 @@ def no_run_note(language: str, chapter: str) -> nodes.paragraph:
 
     note = nodes.paragraph(classes=["kvlab-gpu-results"])
     for kind, text in NO_RUN_NOTES[language]:
-        text = text.format(no_run=report.NO_GPU_RUN, json=f"book/results/<gpu>/{chapter}.json")
+        text = text.format(no_run=report.NO_GPU_RUN)
         note += _NODES[kind](text=text) if kind in _NODES else nodes.Text(text)
     return note
 

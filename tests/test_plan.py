@@ -307,3 +307,18 @@ def test_a_burst_of_a_prefix_widens_a_bracket_that_proves_too_low(monkeypatch):
     assert len(bursts) == 1 and 2 * bursts[0] < 0.8 * full.goodput_rps
     # ... and doubling it finds the goodput the whole burst's bracket finds, to the bisection's resolution.
     assert short.goodput_rps == pytest.approx(full.goodput_rps, rel=0.1)
+
+
+def test_a_goodput_whose_search_top_still_passes_is_reported_as_a_lower_bound():
+    """Chapter 14's plan: on 150 requests the bracket's top (twice the burst throughput) still meets the targets,
+    so the goodput is the top of the search, not the highest passing rate; the report says so."""
+    targets = P.Targets(ttft_ms=500, itl_ms=50, percentile=99)
+    workload = Workload(rate=4.0, num_requests=150, seed=0, mean_input=161.31, mean_output=337.99)
+    p = P.plan("meta-llama/Llama-3.1-8B", "H100-SXM", context=8192, workload=workload, targets=targets)
+    assert p.goodput_is_lower_bound
+    assert f"goodput      >= {p.goodput_rps:.2f} req/s" in p.report() and "a lower bound" in p.report()
+
+
+def test_highest_passing_says_whether_it_found_the_edge():
+    assert P._highest_passing(lambda rate: rate <= 5.0, 1.0, 8.0, steps=12)[1] is False
+    assert P._highest_passing(lambda rate: True, 1.0, 8.0, may_widen=False) == (8.0, True)

@@ -87,7 +87,9 @@ def test_the_chinese_page_glues_the_english_pages_numbers(english):
     chinese = chinese_page(english)
     if not chinese.is_file():
         pytest.fail(f"{rel(chinese)} is missing", pytrace=False)
-    want, got = glued(english), glued(chinese)
+    want = glued(english)
+    # A key ending in _zh is the Chinese variant of the same value (kvlab.units.join_words and the like).
+    got = {(nb, key.removesuffix("_zh"), kind, fmt) for nb, key, kind, fmt in glued(chinese)}
     assert got == want, (
         f"{rel(chinese)} glues what {rel(english)} does not: {sorted(got - want)}; "
         f"misses: {sorted(want - got)}"
@@ -209,3 +211,111 @@ def test_chinese_prose_uses_chinese_quotation_marks():
         if '"' in line
     ]
     assert not ascii_quoted, f"use “…” in Chinese prose: {ascii_quoted}"
+
+
+# English function words: a glued value that holds one is an English phrase inside a Chinese sentence.
+ENGLISH_WORDS = {
+    "and",
+    "or",
+    "the",
+    "is",
+    "are",
+    "of",
+    "at",
+    "per",
+    "with",
+    "to",
+    "for",
+    "from",
+    "in",
+    "on",
+    "not",
+}
+ENGLISH_WORDS |= {
+    "never",
+    "no",
+    "by",
+    "than",
+    "it",
+    "as",
+    "which",
+    "that",
+    "makes",
+    "reached",
+    "shows",
+    "both",
+}
+# Glued values that are English by nature, quoted as such on the Chinese page.
+QUOTED_ENGLISH = {"ch11_reference_answer": "the model's own answer, quoted"}
+GLUE_ROLE = re.compile(r"\{glue(?::text)?\}`([^`]+?\.ipynb)::(\w+)(?::[^`]*)?`")
+
+
+def stored_glue(notebook: Path) -> dict[str, str]:
+    """The text each glue record of a lab's stored outputs holds, by key."""
+    import json
+
+    found = {}
+    for cell in json.loads(notebook.read_text())["cells"]:
+        for output in cell.get("outputs", []):
+            name = output.get("metadata", {}).get("scrapbook", {}).get("name")
+            text = output.get("data", {}).get("application/papermill.record/text/plain")
+            if name:
+                # A figure's record may hold no text at all.
+                found[name] = "".join(text or "").strip("'\"")
+    return found
+
+
+def test_chinese_pages_glue_no_english_phrases():
+    records: dict[Path, dict[str, str]] = {}
+    english = []
+    for page in sorted(ZH.glob("*.md")):
+        for match in GLUE_ROLE.finditer(page.read_text()):
+            notebook = (page.parent / match[1]).resolve()
+            value = records.setdefault(notebook, stored_glue(notebook)).get(match[2])
+            assert value is not None, f"{rel(page)} glues {match[2]}, which {rel(notebook)} does not store"
+            words = {w.strip(".,:;()").lower() for w in value.split()}
+            if value.startswith("<Figure") or match[2] in QUOTED_ENGLISH:
+                continue
+            if words & ENGLISH_WORDS:
+                english.append(f"{rel(page)}: {match[2]} = {value[:60]!r}")
+    assert not english, f"glue a Chinese variant (kvlab.units.join_words(..., 'zh')) or a number: {english}"
+
+
+def test_the_chinese_editions_buttons_say_when_they_lead_to_english():
+    from types import SimpleNamespace
+
+    app = SimpleNamespace(config=SimpleNamespace(kvlab_edition="zh"))
+    context = {
+        "prev": {"link": "../zh/01_cache_contents.html", "title": "1. KV Cache 里保存了什么"},
+        "next": {"link": "../02_sizing/lab.html", "title": "Lab: sizing the cache"},
+    }
+    kvlab_edition.label_english_neighbours(app, "book/zh/02_sizing", "page.html", context, None)
+    assert context["next"]["title"] == "Lab: sizing the cache（英文）"
+    assert context["prev"]["title"] == "1. KV Cache 里保存了什么"
+    english = SimpleNamespace(config=SimpleNamespace(kvlab_edition="en"))
+    kvlab_edition.label_english_neighbours(english, "book/02_sizing/index", "page.html", context, None)
+    assert context["next"]["title"].count("（英文）") == 1
+
+
+def test_a_chinese_page_with_figures_says_their_text_is_english():
+    from types import SimpleNamespace
+
+    def page(body: str, edition: str, pagename: str) -> str:
+        app = SimpleNamespace(
+            config=SimpleNamespace(kvlab_edition=edition), builder=SimpleNamespace(name="html")
+        )
+        context = {"body": body}
+        kvlab_edition.edition_link(app, pagename, "page.html", context, object())
+        return context["body"]
+
+    assert kvlab_edition.FIGURES_IN_ENGLISH in page('<p>图</p><img src="x.png">', "zh", "book/zh/02_sizing")
+    assert kvlab_edition.FIGURES_IN_ENGLISH not in page("<p>没有图</p>", "zh", "book/zh/02_sizing")
+    assert kvlab_edition.FIGURES_IN_ENGLISH not in page('<img src="x.png">', "en", "book/02_sizing/index")
+
+
+def test_a_page_without_a_gpu_run_tells_readers_one_line_not_maintainers_steps():
+    import kvlab_gpu_results
+
+    for language in ("en", "zh"):
+        note = kvlab_gpu_results.no_run_note(language, "02_sizing").astext()
+        assert "make gpu" not in note and "gpu_params" not in note and note.count("\n") == 0

