@@ -136,7 +136,12 @@ def test_two_processes(llama, prompts, reference, overlap):
     assert result.link.bytes_per_s > 0
     for trace in result.traces:
         assert trace.arrival <= trace.first_token <= trace.sent < trace.received <= trace.finished
-        assert trace.transfer_s == pytest.approx(trace.received - trace.sent, abs=1e-3)
+        # The transfer is timed inside [sent, received]. With the transfers overlapping the engines' steps, a
+        # step may hold either side's thread past its stamp (4.7 ms on a 2-core CI machine), so only the
+        # acknowledged transfers, with both sides waiting on the link, span the whole interval.
+        assert trace.transfer_s <= trace.received - trace.sent + 1e-4
+        if not overlap:
+            assert trace.transfer_s == pytest.approx(trace.received - trace.sent, abs=1e-3)
 
 
 def test_run_disaggregated_bad_input():
