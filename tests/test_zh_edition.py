@@ -250,34 +250,25 @@ QUOTED_ENGLISH = {"ch11_reference_answer": "the model's own answer, quoted"}
 GLUE_ROLE = re.compile(r"\{glue(?::text)?\}`([^`]+?\.ipynb)::(\w+)(?::[^`]*)?`")
 
 
-def stored_glue(notebook: Path) -> dict[str, str]:
-    """The text each glue record of a lab's stored outputs holds, by key."""
-    import json
-
-    found = {}
-    for cell in json.loads(notebook.read_text())["cells"]:
-        for output in cell.get("outputs", []):
-            name = output.get("metadata", {}).get("scrapbook", {}).get("name")
-            text = output.get("data", {}).get("application/papermill.record/text/plain")
-            if name:
-                # A figure's record may hold no text at all.
-                found[name] = "".join(text or "").strip("'\"")
-    return found
-
-
 def test_chinese_pages_glue_no_english_phrases():
-    records: dict[Path, dict[str, str]] = {}
+    from kvlab.book.sweep import glued_scalars
+
+    records: dict[Path, dict[str, object]] = {}
     english = []
     for page in sorted(ZH.glob("*.md")):
         for match in GLUE_ROLE.finditer(page.read_text()):
             notebook = (page.parent / match[1]).resolve()
-            value = records.setdefault(notebook, stored_glue(notebook)).get(match[2])
-            assert value is not None, f"{rel(page)} glues {match[2]}, which {rel(notebook)} does not store"
-            words = {w.strip(".,:;()").lower() for w in value.split()}
-            if value.startswith("<Figure") or match[2] in QUOTED_ENGLISH:
+            scalars = records.setdefault(notebook, glued_scalars(notebook))
+            # Figures and tables are not scalars; a Chinese variant always is, and must be stored.
+            if match[2].endswith("_zh"):
+                assert match[2] in scalars, (
+                    f"{rel(page)} glues {match[2]}, which {rel(notebook)} does not store"
+                )
+            if match[2] not in scalars or match[2] in QUOTED_ENGLISH:
                 continue
+            words = {w.strip(".,:;()").lower() for w in str(scalars[match[2]]).split()}
             if words & ENGLISH_WORDS:
-                english.append(f"{rel(page)}: {match[2]} = {value[:60]!r}")
+                english.append(f"{rel(page)}: {match[2]} = {str(scalars[match[2]])[:60]!r}")
     assert not english, f"glue a Chinese variant (kvlab.units.join_words(..., 'zh')) or a number: {english}"
 
 
