@@ -12,8 +12,8 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 # Each stage of `make test` runs with a home folder and caches of its own, empty when it starts
 # (_build/home/STAGE): it sees only what it installed or wrote itself. A stage reuses another's output only
-# where this file says so: test-timed's labs, and its slow test of a lab that drops its install line
-# (tests/test_fresh_start.py), reuse the Colab-shaped venv (.venv-colab) that test-untimed built.
+# where this file says so: test-timed's labs, and its test of a lab that drops its install line
+# (tests/test_fresh_start.py, marked colab_venv), reuse the Colab-shaped venv (.venv-colab) that test-untimed built.
 FRESH := python3 tools/fresh_home.py
 
 PHONY_TESTS := test-untimed test-timed
@@ -59,28 +59,31 @@ book-zh: install
 	  --path-output _build/zh
 	cp -r _build/zh/_build/html _build/html/zh
 
-## make test: lint, pytest, nbval on every notebook (in the Colab-like clean venv, twice: this CPU's kernels and the
-## baseline ones), a papermill smoke sweep, a warning-free book build and the browser checks. The checks no load
-## can change run two at a time (test-untimed); the timed ones then run alone (test-timed).
+## make test: lint, pytest, nbval on every notebook once (in the Colab-like clean venv: the untimed labs on the
+## baseline kernels, the timed ones on this CPU's), a papermill smoke sweep, a warning-free book build and the
+## browser checks. The checks no load can change run two at a time (test-untimed); the timed ones then run alone
+## (test-timed). `make colab-nbval` runs every lab on both kernel sets (before committing a changed lab).
 test: lint test-untimed test-timed smoke book-checked browser
 
-## make test-untimed: pytest's fast tests beside nbval of the untimed labs on baseline kernels (neither times
-## anything, so sharing the two cores changes no result; pytest's log is printed when both end).
+## make test-untimed: pytest's untimed tests (all but those marked `timed` or `colab_venv`, slow ones included)
+## beside nbval of the untimed labs on baseline kernels (neither times anything, so sharing the two cores changes
+## no result; pytest's log is printed when both end).
 test-untimed: install
 	@mkdir -p _build; \
-	$(FRESH) pytest-fast -- $(BIN)/pytest tests -p no:cacheprovider -m "not slow" --durations=15 \
-	  > _build/pytest-fast.log 2>&1 & pid=$$!; \
+	$(FRESH) pytest-untimed -- $(BIN)/pytest tests -p no:cacheprovider -m "not timed and not colab_venv" --durations=15 \
+	  > _build/pytest-untimed.log 2>&1 & pid=$$!; \
 	python3 tools/colab_venv.py --nbval --capped-isa --kind untimed; labs=$$?; \
-	wait $$pid; tests=$$?; cat _build/pytest-fast.log; \
-	echo "pytest (not slow): exit $$tests; nbval of the untimed labs, baseline kernels: exit $$labs"; \
+	wait $$pid; tests=$$?; cat _build/pytest-untimed.log; \
+	echo "pytest (not timed): exit $$tests; nbval of the untimed labs, baseline kernels: exit $$labs"; \
 	test $$tests -eq 0 -a $$labs -eq 0
 
-## make test-timed: one at a time, on a machine nothing else of the run loads: the slow tests (mutation runs, real
-## timing), nbval of every lab on this CPU's kernels, then of the timed labs on baseline kernels.
+## make test-timed: one at a time, on a machine nothing else of the run loads: the tests marked `timed` (mutation
+## runs, real timing) or `colab_venv`, then nbval of the timed labs on this CPU's kernels. Each lab runs once per
+## `make test`: a CI machine's own kernels differ from the ones that wrote the stored outputs, and the baseline
+## kernels differ from both.
 test-timed: install
-	$(FRESH) pytest-slow -- $(BIN)/pytest tests -p no:cacheprovider -m slow --durations=15
-	python3 tools/colab_venv.py --nbval
-	python3 tools/colab_venv.py --nbval --capped-isa --kind timed
+	$(FRESH) pytest-timed -- $(BIN)/pytest tests -p no:cacheprovider -m "timed or colab_venv" --durations=15
+	python3 tools/colab_venv.py --nbval --kind timed
 
 lint: install
 	$(BIN)/ruff check src tests tools benchmarks _ext

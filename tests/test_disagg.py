@@ -114,6 +114,7 @@ def test_link_fit():
 
 
 @pytest.mark.slow
+@pytest.mark.timed
 @pytest.mark.parametrize("overlap", [True, False])
 def test_two_processes(llama, prompts, reference, overlap):
     """The prefill and decode engines as two processes over gloo (or NCCL between two GPUs), with the transfers

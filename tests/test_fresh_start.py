@@ -149,7 +149,9 @@ def first_cells_to_real_model(lab: Path, drop_install_line: bool) -> dict:
     return dict(nb, cells=cells)
 
 
+# It reinstalls kvlab's wheel in .venv-colab, which must not happen under the labs nbval runs there.
 @pytest.mark.slow
+@pytest.mark.colab_venv
 def test_a_lab_whose_cell_stops_installing_what_it_loads_fails(tmp_path, capsys):
     """Lab 11 cut after its model load runs in the Colab-shaped venv; without its install line it fails there.
     The venv is the one `make test-untimed` built (.venv-colab), or is built here."""

@@ -10,7 +10,7 @@ import pytest
 from kvlab import claims, models
 from kvlab.experiments import decode
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timed]
 
 
 def test_a_cache_dropped_every_step_misses_the_recompute_ratio(monkeypatch):

@@ -14,7 +14,7 @@ from kvlab import claims, models
 from kvlab.experiments import timing
 from kvlab.measure import Timer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timed]
 
 
 @pytest.fixture(scope="module")

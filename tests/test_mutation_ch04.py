@@ -16,7 +16,7 @@ from kvlab.costs import roofline
 from kvlab.experiments import timing
 from kvlab.specs import hardware
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timed]
 
 CONTEXTS, BATCHES = [16, 64, 256], [1, 4]
 

@@ -20,7 +20,7 @@ from kvlab import claims, models
 from kvlab.costs.workloads import synthetic_trace
 from kvlab.experiments import wallclock
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timed]
 
 KNOBS = dict(block_size=16, num_blocks=64, max_num_seqs=4)
 TOLERANCE = 0.4  # the lab's wall_tolerance

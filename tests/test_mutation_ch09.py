@@ -21,7 +21,7 @@ from kvlab.engine.block_manager import BlockManager
 from kvlab.experiments import prefix_ttft as pt
 from kvlab.planning import simulate as sim
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timed]
 
 # a prefix long beside a request's own part: with caching on the prediction is far below a full prefill, whatever
 # share of a step a loaded machine's overhead takes

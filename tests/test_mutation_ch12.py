@@ -21,7 +21,7 @@ from kvlab.offload.cache import DiskLayer, OffloadedCache
 from kvlab.offload.cost import check_offload, measure_offload
 from kvlab.offload.loop import decode_lockstep, random_prompt
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timed]
 
 BAND = "1024 tokens: offloaded step (ms) in the band around compute + transfer"
 

@@ -22,7 +22,7 @@ from kvlab.costs.workloads import synthetic_trace
 from kvlab.models import tiny_model
 from kvlab.planning import simulate as sim
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timed]
 
 # The lab's parameters cell (val_knobs, val_calibration, val_loads)
 KNOBS = dict(

@@ -42,6 +42,7 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
 # It executes lab 1, a timed lab, so it runs with the timed checks, alone on the machine.
 @pytest.mark.slow
+@pytest.mark.timed
 def test_real_sweep_csv_resume_and_a_failing_point(tmp_path, capsys):
     out = tmp_path / "ch1"
     argv = ["sweep", str(LAB1), "--grid", "kv_heads=1,4", *TINY, "--out", str(out)]
