@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from kvlab.engine.kv_pool import KVPool, KVShape, PagedContext, paged_attention_forward, slots_for
 from kvlab.env import env_report
 from kvlab.measure import percentiles, time_call
+from kvlab.units import cdiv
 
 
 def bench(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int, repeat: int):
@@ -28,7 +29,7 @@ def bench(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, bl
     k = torch.randn(batch, kv_heads, context, head_dim, generator=gen)
     v = torch.randn(batch, kv_heads, context, head_dim, generator=gen)
     q = torch.randn(batch, heads, 1, head_dim, generator=gen)
-    blocks_per_seq = -(-context // block_size)
+    blocks_per_seq = cdiv(context, block_size)
     pool = KVPool(KVShape(1, kv_heads, head_dim), batch * blocks_per_seq, block_size)
     order = torch.randperm(pool.num_blocks, generator=gen).tolist()
     tables = [order[i * blocks_per_seq : (i + 1) * blocks_per_seq] for i in range(batch)]

@@ -231,7 +231,7 @@ def test_measured_fragmentation_equals_prediction_and_occupancy(llama):
     for num_blocks in (64, 12):  # roomy, and short enough to preempt
         engine = LLMEngine(llama, block_size=4, num_blocks=num_blocks, max_num_seqs=4, clock="virtual")
         engine.replay(trace)
-        # The prediction from the lengths alone, not through the allocator's own blocks_for.
+        # The prediction from the lengths alone, not through the allocator's own cdiv.
         lengths = resident_lengths(trace)
         expected = predicted_fragmentation(lengths, 4)
         assert expected.last_block_waste == sum((-n) % 4 for n in lengths) / len(lengths)

@@ -249,8 +249,8 @@ def test_fragmentation_check_catches_an_allocator_that_over_allocates(monkeypatc
     def one_too_many(num_tokens, block_size):
         return -(-num_tokens // block_size) + 1
 
-    monkeypatch.setattr(kvlab.engine.block_manager, "blocks_for", one_too_many)
-    monkeypatch.setattr(kvlab.engine.metrics, "blocks_for", one_too_many)
+    monkeypatch.setattr(kvlab.engine.block_manager, "cdiv", one_too_many)
+    monkeypatch.setattr(kvlab.engine.metrics, "cdiv", one_too_many)
     model = tiny_model("llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=256)
     stats = replay(model, small_trace, 4)
     assert measured_fragmentation(stats) == predicted_fragmentation(resident_lengths(small_trace), 4)

@@ -30,6 +30,11 @@ def parse_tokens(text: str | int) -> int:
     return value
 
 
+def cdiv(a: int, b: int) -> int:
+    """`a / b` rounded up, for integers (vLLM's `cdiv`): the blocks that `a` tokens fill at `b` a block."""
+    return -(-a // b)
+
+
 def format_bytes(n: float, digits: int = 3) -> str:
     """Binary units: 1536 -> '1.5 KiB'. Keeps `digits` significant digits."""
     if n < 0:

@@ -35,7 +35,7 @@ from kvlab.experiments.evict import reusable_prefix_blocks
 from kvlab.planning.simulate import SimulationResult
 from kvlab.specs.layers import FullAttention
 from kvlab.specs.shape import ModelShape
-from kvlab.units import dtype_bytes, format_bytes
+from kvlab.units import cdiv, dtype_bytes, format_bytes
 
 WIDTH_INCHES = 6.0
 MIN_FONT_PT = 11.0
@@ -245,7 +245,7 @@ def block_table(manager: BlockManager, seqs: Sequence[Request]) -> Figure:
         for logical, block_id in enumerate(seq.block_table):
             owner.setdefault(block_id, (s, logical))
     per_row = 8
-    rows = -(-manager.num_blocks // per_row)
+    rows = cdiv(manager.num_blocks, per_row)
     height = 1.05 + 0.5 * len(seqs) + 0.75 * rows + 0.85
     fig, ax = _canvas(height)
     top = height - 0.25
@@ -352,7 +352,7 @@ def hash_chain(manager: BlockManager, admissions: Sequence[Admission]) -> Figure
         (i for i, (a, b) in enumerate(zip(first.block_hashes, second.block_hashes, strict=False)) if a != b),
         min(len(first.block_hashes), len(second.block_hashes)),
     )
-    width = max(-(-a.seq.num_prompt_tokens // bs) for a in admissions)
+    width = max(cdiv(a.seq.num_prompt_tokens, bs) for a in admissions)
     box_w, gap, x0 = 1.1, 0.2, 0.5
     if x0 + width * (box_w + gap) > WIDTH_INCHES:
         raise ValueError(f"the hash-chain diagram draws at most 4 blocks a prompt, got {width}")
@@ -365,7 +365,7 @@ def hash_chain(manager: BlockManager, admissions: Sequence[Admission]) -> Figure
         seq, y = admission.seq, height - 0.95 - 1.2 * r
         _text(ax, 0.1, y, seq.request_id or "", weight="bold")
         tokens = seq.token_ids[: seq.num_prompt_tokens]
-        for i in range(-(-len(tokens) // bs)):
+        for i in range(cdiv(len(tokens), bs)):
             x = x0 + i * (box_w + gap)
             chunk = tokens[i * bs : (i + 1) * bs]
             full = len(chunk) == bs
@@ -420,7 +420,7 @@ def kept_tokens(rows: Sequence[tuple[str, Sequence[int]]], prompt_tokens: int, b
     order), cut into blocks, with the first block that lost a token: the prefix hash chain ends there."""
     if not 1 <= len(rows) <= 8:
         raise ValueError(f"the kept-tokens diagram draws 1 to 8 rows, got {len(rows)}")
-    blocks = -(-prompt_tokens // block_size)
+    blocks = cdiv(prompt_tokens, block_size)
     if not 1 <= blocks <= 16:
         raise ValueError(f"the kept-tokens diagram draws 1 to 16 blocks, got {blocks}")
     height = 1.2 + 0.62 * len(rows)
@@ -542,7 +542,7 @@ def tp_heads(kv_heads: int, plans: Sequence[tuple[int, int]], title: str) -> Fig
     x_panel = 0.1
     for tp, copies in plans:
         cols = min(4, math.ceil(math.sqrt(tp)))
-        rows = -(-tp // cols)
+        rows = cdiv(tp, cols)
         cell_w, cell_h = width / cols, min(0.7, 2.7 / rows)
         what = "each head on one GPU" if copies == 1 else f"each head on {copies} GPUs"
         _text(ax, x_panel, 3.35, f"TP={tp}: {what}", gid=f"plan-{tp}")

@@ -33,8 +33,9 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
-from kvlab.engine.metrics import PrefixCacheStats, blocks_for
+from kvlab.engine.metrics import PrefixCacheStats
 from kvlab.engine.request import Request
+from kvlab.units import cdiv
 
 NULL_BLOCK = -1  # a block-table entry freed behind a sliding window (vLLM's null_block); never read unmasked
 
@@ -63,7 +64,7 @@ def max_admission_blocks(
     inside a block (vLLM 0.33.0 `SlidingWindowSpec.max_admission_blocks_per_request`,
     `vllm/v1/kv_cache_interface.py`: both the start-up pool sizing and the admission cap)."""
     tokens = window - 1 + max_in_flight_tokens
-    return blocks_for(tokens if max_model_len is None else min(tokens, max_model_len), block_size) + 1
+    return cdiv(tokens if max_model_len is None else min(tokens, max_model_len), block_size) + 1
 
 
 def blocks_per_request(
@@ -72,7 +73,7 @@ def blocks_per_request(
     """Most blocks one request of `context_len` tokens holds over all KV-cache groups: a sliding group at most
     `max_admission_blocks` (vLLM 0.33.0 `SlidingWindowSpec.max_memory_usage_bytes`)."""
     return sum(
-        blocks_for(context_len, block_size)
+        cdiv(context_len, block_size)
         if w is None
         else max_admission_blocks(w, block_size, max_num_batched_tokens, context_len)
         for w in windows
@@ -351,13 +352,13 @@ class BlockManager:
         return tables
 
     def _new_blocks_needed(self, seq: Request, num_new_tokens: int) -> int:
-        total = blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        total = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
         return sum(max(0, total - len(table)) for table in seq.block_tables)
 
     def _blocks_beyond(self, tables: list[list[int]], num_tokens: int, capped: bool = False) -> int:
         """Blocks the tables lack to hold `num_tokens` tokens, each sliding group at most its admission cap when
         `capped` (vLLM 0.33.0 `SingleTypeKVCacheManager.get_num_blocks_to_allocate`)."""
-        total = blocks_for(num_tokens, self.block_size)
+        total = cdiv(num_tokens, self.block_size)
         return sum(
             max(0, (total if cap is None or not capped else min(total, cap)) - len(table))
             for table, cap in zip(tables, self.admission_caps, strict=True)
@@ -391,7 +392,7 @@ class BlockManager:
         return self._admission(seq, num_new_tokens, reserve_tokens)[2]
 
     def can_fit_alone(self, num_tokens: int) -> bool:
-        return blocks_for(num_tokens, self.block_size) * self.num_groups <= self.num_blocks
+        return cdiv(num_tokens, self.block_size) * self.num_groups <= self.num_blocks
 
     def allocate(self, seq: Request, num_new_tokens: int, reserve_tokens: int = 0) -> int | None:
         """Admit a sequence holding no blocks: take its cached prefix, then blocks for up to `num_new_tokens`
@@ -449,7 +450,7 @@ class BlockManager:
         if self.single_full_group:
             return self._append_one_table(seq, end)
         self.remove_skipped_blocks(seq)
-        total = blocks_for(end, self.block_size)
+        total = cdiv(end, self.block_size)
         # The common decode step stays inside its last block: no allocation, so no free-block count either.
         if any(len(table) < total for table in seq.block_tables):
             if self._new_blocks_needed(seq, num_new_tokens) > self.num_free_blocks:
@@ -467,7 +468,7 @@ class BlockManager:
         the sequence's slot limit: later steps need no work while their tokens stay inside its blocks and fill
         no block (each step publishes the blocks it fills, so a filled one must come here)."""
         table, bs = seq.block_tables[0], self.block_size
-        missing = blocks_for(end, bs) - len(table)
+        missing = cdiv(end, bs) - len(table)
         if missing > 0:
             if missing > self.allocator.num_free_blocks:
                 return False
@@ -477,8 +478,8 @@ class BlockManager:
         self._cache_full_blocks(seq, end)
         blocks = len(table)
         held = blocks * bs
-        # What the table holds by the one rule that sizes tables (`blocks_for`), not by a second copy of it.
-        while held and blocks_for(held, bs) > blocks:
+        # What the table holds by the one rule that sizes tables (`cdiv`), not by a second copy of it.
+        while held and cdiv(held, bs) > blocks:
             held -= bs
         if self.enable_prefix_caching:
             held = min(held, (end // bs + 1) * bs - 1)
@@ -496,7 +497,7 @@ class BlockManager:
         window, interval = self.windows[group], self.prefix_cache_retention_interval
         if window is None or interval is None:
             return True
-        need = blocks_for(window - 1, self.block_size)
+        need = cdiv(window - 1, self.block_size)
         if interval:
             per_interval = interval // self.block_size
             if need >= per_interval or index % per_interval >= per_interval - need:
@@ -572,7 +573,7 @@ class ContiguousBlockManager(BlockManager):
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
         super().__init__(num_blocks, block_size, enable_prefix_caching=False)
-        self.reserve_blocks = blocks_for(max_model_len, block_size)
+        self.reserve_blocks = cdiv(max_model_len, block_size)
         if self.reserve_blocks > num_blocks:
             raise ValueError(
                 f"max_model_len={max_model_len} does not fit in {num_blocks} blocks of {block_size}"

@@ -21,6 +21,7 @@ from itertools import chain
 import numpy as np
 
 from kvlab.measure import percentiles
+from kvlab.units import cdiv
 
 
 @dataclass(slots=True)
@@ -147,11 +148,6 @@ def summarize(
 # --- engine step statistics, and what the allocator predicts for them ------------------------------------------------
 
 
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """Blocks that `num_tokens` tokens occupy: the ceiling of the division."""
-    return -(-num_tokens // block_size)
-
-
 @dataclass(frozen=True)
 class Fragmentation:
     """Per sequence, averaged over (sequence, step) pairs: the two costs a block size trades."""
@@ -167,7 +163,7 @@ def predicted_fragmentation(context_lengths: Iterable[int], block_size: int) -> 
     lengths = list(context_lengths)
     if not lengths:
         raise ValueError("need at least one context length")
-    entries = [blocks_for(n, block_size) for n in lengths]
+    entries = [cdiv(n, block_size) for n in lengths]
     waste = sum(b * block_size - n for b, n in zip(entries, lengths, strict=True))
     return Fragmentation(waste / len(lengths), sum(entries) / len(lengths))
 

@@ -41,12 +41,11 @@ from kvlab.engine.kv_pool import (
     kv_cache_groups,
     slots_for,
 )
-from kvlab.engine.metrics import blocks_for
 from kvlab.engine.request import Request
 from kvlab.engine.scheduler import RunnerOutput, ScheduledBatch
 from kvlab.measure import MemoryTracker, cuda_context_bytes
 from kvlab.specs import vllm_defaults
-from kvlab.units import format_bytes
+from kvlab.units import cdiv, format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +170,7 @@ class ModelRunner:
             utilization, runtime, runtime_source = 1.0, 0, "none counted: the budget is given"
         weights = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
         # A dummy prefill of a full token budget, on a scratch pool made outside the tracker so it is not counted.
-        blocks = blocks_for(tokens, self.block_size)
+        blocks = cdiv(tokens, self.block_size)
         scratch = KVPool(
             self.shape,
             blocks * len(self.groups),
@@ -257,7 +256,7 @@ class ModelRunner:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids += seq.token_ids[start:end]
             positions += range(start, end)
-            num_blocks = blocks_for(end, bs)
+            num_blocks = cdiv(end, bs)
             for g, table in enumerate(seq.block_tables):
                 slots[g] += slots_for(table, start, end, bs)
                 # Entries freed behind a sliding window read block 0: the window's mask hides them (a full

@@ -44,6 +44,7 @@ from typing import Literal
 from kvlab.engine.block_manager import BlockManager
 from kvlab.engine.metrics import StepStats
 from kvlab.engine.request import Request, RequestStatus
+from kvlab.units import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class SchedulerConfig:
     def max_idle_steps(self) -> int:
         """Steps without progress that a live schedule can need: one preemption-only step per running sequence,
         then the oldest re-admitted sequence recomputing, the whole token budget a step, up to `max_model_len`."""
-        return self.max_num_seqs + -(-self.max_model_len // self.max_num_batched_tokens) + 2
+        return self.max_num_seqs + cdiv(self.max_model_len, self.max_num_batched_tokens) + 2
 
 
 @dataclass

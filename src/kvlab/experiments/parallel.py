@@ -46,6 +46,7 @@ from torch import nn
 from kvlab.checks import check_count
 from kvlab.specs import sizing
 from kvlab.specs.arch import describe, resolve
+from kvlab.units import cdiv
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 LAST_PIDS: list[int] = []  # the ranks `run_distributed` started last (tests check none outlives it)
@@ -210,7 +211,7 @@ def placement(
     check_count("batch", batch)
     config = resolve(config)
     spec = describe(config)
-    per_replica = -(-batch // dp)
+    per_replica = cdiv(batch, dp)
     return Placement(
         tp=tp,
         pp=pp,

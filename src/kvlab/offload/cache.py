@@ -42,6 +42,7 @@ from kvlab.offload.direct_io import (
     write_full,
 )
 from kvlab.offload.tiers import compute_for
+from kvlab.units import cdiv
 
 
 def _nothing() -> None:
@@ -206,7 +207,7 @@ class DiskLayer(TierLayer):
         record = record_bytes(*self._shape, self._dtype)
         # the smallest whole number of tokens that is aligned
         lcm = record * ALIGN // math.gcd(record, ALIGN)
-        self.block_tokens = (lcm // record) * max(1, -(-self._min_block_bytes // lcm))
+        self.block_tokens = (lcm // record) * max(1, cdiv(self._min_block_bytes, lcm))
         self._fd, self.direct = open_direct(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
         self._reader = PolledReader()
         batch, heads, head_dim = self._shape

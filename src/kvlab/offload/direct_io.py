@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kvlab.units import cdiv
+
 # O_DIRECT wants offsets, sizes and buffer addresses aligned to the logical block size; 4 KiB covers it.
 ALIGN = 4096
 # Linux moves at most 2 GiB - 4 KiB in one read or write (MAX_RW_COUNT, include/linux/fs.h), native AIO
@@ -31,7 +33,7 @@ CHUNK = 1 << 30
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:
     """Anonymous memory of `nbytes` rounded up to `ALIGN`: page-aligned, as O_DIRECT requires."""
-    return mmap.mmap(-1, max(ALIGN, -(-nbytes // ALIGN) * ALIGN))
+    return mmap.mmap(-1, max(ALIGN, cdiv(nbytes, ALIGN) * ALIGN))
 
 
 def _preadv(fd: int, view: memoryview, offset: int) -> int:

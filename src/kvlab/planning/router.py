@@ -41,9 +41,9 @@ from kvlab.checks import check_count
 from kvlab.costs.workloads import TraceRequest
 from kvlab.engine.block_manager import BlockManager, block_hash
 from kvlab.engine.llm_engine import LLMEngine
-from kvlab.engine.metrics import blocks_for
 from kvlab.engine.request import Request, SamplingParams
 from kvlab.engine.scheduler import ScheduledBatch
+from kvlab.units import cdiv
 
 POLICIES = ("round_robin", "least_loaded", "prefix_affinity", "kv_cost")
 
@@ -242,8 +242,8 @@ def replica_costs(prompt: Sequence[int], replicas: Sequence[LLMEngine]) -> list[
         bm = engine.block_manager
         hit = cached_prompt_blocks(prompt, bm) * bm.block_size
         # A preempted request waits again with its tokens so far: count what it will hold, not just its prompt
-        queued = sum(blocks_for(seq.num_tokens, bm.block_size) for seq in engine.scheduler.waiting)
-        costs.append(blocks_for(len(prompt) - hit, bm.block_size) + bm.num_used_blocks + queued)
+        queued = sum(cdiv(seq.num_tokens, bm.block_size) for seq in engine.scheduler.waiting)
+        costs.append(cdiv(len(prompt) - hit, bm.block_size) + bm.num_used_blocks + queued)
     return costs
 
 
@@ -342,7 +342,7 @@ def roomy_num_blocks(trace: TenantTrace | Sequence[TraceRequest], block_size: in
     The allocator hands out a never-used block before it evicts a cached one (free blocks holding no hash sit
     at the front of its queue), and no run allocates more blocks than this, so none is ever evicted."""
     check_count("block_size", block_size)
-    return sum(blocks_for(len(r.prompt_token_ids) + r.max_tokens, block_size) for r in _requests_of(trace))
+    return sum(cdiv(len(r.prompt_token_ids) + r.max_tokens, block_size) for r in _requests_of(trace))
 
 
 def run_policy(

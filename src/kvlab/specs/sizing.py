@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from kvlab.checks import check_count
 from kvlab.specs.arch import ArchSpec, UnsupportedConfigError
 from kvlab.specs.shape import DType, WeightGroup, prepare, shape, weight_groups
-from kvlab.units import dtype_bytes, join_words
+from kvlab.units import cdiv, dtype_bytes, join_words
 
 if TYPE_CHECKING:
     import torch
@@ -476,7 +476,7 @@ def speculative_blocks_per_sequence(
     slots = context_len + speculative_slots(num_speculative_tokens)
     if max_model_len is not None:
         slots = min(slots, max(context_len, check_count("max_model_len", max_model_len)))
-    return -(-slots // block_size)
+    return cdiv(slots, block_size)
 
 
 def speculation(
