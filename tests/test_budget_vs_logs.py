@@ -87,11 +87,17 @@ def predict(entry: dict) -> Row | None:
     if not printed:
         return None
     slug = entry["slug"]
-    model, gpu = _model(entry.get("model")), _gpu(entry)
+    # The index names the registry entry that sizes the log (`registry_model`) where the printed name is a local
+    # path or a checkpoint of the same shape; older records give only the printed name.
+    model, gpu = _model(entry.get("registry_model") or entry.get("model")), _gpu(entry)
     if model is None:
         return Row(slug, printed, None, f"model {entry.get('model')!r} not in kvlab's registry")
     if gpu is None:
         return Row(slug, printed, None, f"GPU {entry.get('gpu')!r}: total memory unknown")
+    if entry.get("quantization"):
+        # kvlab sizes weights at one precision; a checkpoint quantized in part (mxfp4 experts, fp8 projections
+        # beside bf16 embeddings) is not one
+        return Row(slug, printed, None, f"quantized weights ({entry['quantization']}) not modelled")
     if entry.get("tp", 1) != 1 and entry.get("kv_cache_dtype") not in (None, "auto"):
         return Row(slug, printed, None, "quantized KV at TP > 1 not modelled")
     version = _version(entry)
