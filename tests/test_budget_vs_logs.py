@@ -98,6 +98,9 @@ def predict(entry: dict) -> Row | None:
         # kvlab sizes weights at one precision; a checkpoint quantized in part (mxfp4 experts, fp8 projections
         # beside bf16 embeddings) is not one
         return Row(slug, printed, None, f"quantized weights ({entry['quantization']}) not modelled")
+    if entry.get("lora"):
+        # vLLM profiles LoRA adapters' buffers (enable_lora); kvlab's budget has no LoRA term
+        return Row(slug, printed, None, "LoRA adapters not modelled")
     if entry.get("tp", 1) != 1 and entry.get("kv_cache_dtype") not in (None, "auto"):
         return Row(slug, printed, None, "quantized KV at TP > 1 not modelled")
     version = _version(entry)
@@ -113,6 +116,7 @@ def predict(entry: dict) -> Row | None:
         gpu_memory_utilization=entry.get("gpu_memory_utilization") or (0.9 if old else 0.92),
         driver_reserved_bytes=0 if entry.get("gpu_total_bytes") else None,
         max_num_batched_tokens=entry.get("max_num_batched_tokens"),
+        max_num_seqs=entry.get("max_num_seqs"),
         tp=entry.get("tp") or 1,
         enable_chunked_prefill=chunked,
         max_model_len=max_model_len,
