@@ -25,13 +25,39 @@ def first(d):
     return None if lever is None else lever.step
 
 
-def test_chat_with_the_models_max_len_starts_with_context_statistics():
-    w = Deployment(LLAMA, "H100-SXM", 160, 340, concurrency=48)
+def test_a_paged_engine_reserves_nothing_for_max_model_len():
+    """vLLM and SGLang allocate blocks as tokens arrive: at the model's 131,072 tokens on an H100 the pool passes
+    the start-up check, so lowering max_model_len admits no more requests and lever 1 does not apply."""
+    d = diagnose(Deployment(LLAMA, "H100-SXM", 160, 340, concurrency=48))
+    lever = d.levers[0]
+    assert not lever.applies and d.first is None
+    assert lever.numbers["worst_case"] == budget.memory_budget(LLAMA, "H100-SXM").max_tokens() // 131072 >= 1
+    assert "reserves nothing per request" in lever.why and "start-up check (passes)" in lever.why
+
+
+def test_a_pool_below_max_model_len_stops_a_paged_engine_at_start_up():
+    """vLLM refuses to start when one max_model_len request does not fit the pool (check_enough_kv_cache_memory in
+    vllm/v1/core/kv_cache_utils.py, 0.33.0): on an L4 the 8B model's pool is far below 131,072 tokens."""
+    d = diagnose(Deployment(LLAMA, "L4", 160, 340, concurrency=8))
+    lever = d.first
+    pool = budget.memory_budget(LLAMA, "L4").max_tokens()
+    assert lever is not None and lever.step == 1 and lever.numbers["pool"] == pool < 131072
+    assert lever.numbers["needed"] == 2000 <= pool
+    assert "--max-model-len 2000" == lever.vllm and "--context-length 2000" == lever.sglang
+    # With max_model_len set to what is served, the engine starts and lever 1 is gone.
+    assert not diagnose(Deployment(LLAMA, "L4", 160, 340, concurrency=8, max_model_len=2048)).levers[0].applies
+    # A longest request above the pool is a long-context problem (lever 8), not a setting.
+    long = diagnose(Deployment(LLAMA, "L4", 160, 340, concurrency=1, max_input=pool, max_output=400))
+    assert not long.levers[0].applies and "see lever 8" in long.levers[0].why
+
+
+def test_contiguous_reservations_of_the_models_max_len_start_with_context_statistics():
+    w = Deployment(LLAMA, "H100-SXM", 160, 340, concurrency=48, paged=False)
     d = diagnose(w)
     pool = budget.memory_budget(LLAMA, "H100-SXM").max_tokens()
     lever = d.first
     assert lever is not None and lever.step == 1
-    # vLLM's startup bound reserves max_model_len (131,072 for Llama-3.1) per request; measured lengths don't.
+    # Reserving max_model_len (131,072 for Llama-3.1) per request admits 3; the measured lengths admit 820.
     assert lever.numbers["worst_case"] == pool // 131072 < 48
     assert lever.numbers["typical"] == pool // 500
     assert "--max-model-len 2000" == lever.vllm and "--context-length 2000" == lever.sglang
@@ -39,6 +65,7 @@ def test_chat_with_the_models_max_len_starts_with_context_statistics():
 
 def test_same_chat_with_max_model_len_set_needs_nothing():
     assert first(Deployment(LLAMA, "H100-SXM", 160, 340, concurrency=48, max_model_len=4096)) is None
+    assert first(Deployment(LLAMA, "H100-SXM", 160, 340, concurrency=48, max_model_len=4096, paged=False)) is None
 
 
 def test_mha_model_over_its_pool_fires_active_tokens_then_attention_and_precision():
@@ -139,7 +166,7 @@ def test_rate_becomes_requests_in_flight_by_littles_law():
 
 
 def test_report_names_the_first_lever_and_both_engines():
-    text = diagnose(Deployment(LLAMA, "H100-SXM", 160, 340, concurrency=48)).report()
+    text = diagnose(Deployment(LLAMA, "L4", 160, 340, concurrency=8)).report()
     assert "start with: 1. context and output statistics" in text
     assert "docs.vllm.ai" in text and "docs.sglang.io" in text
     # Every lever's mark starts in one column, lever 10's too
@@ -237,10 +264,12 @@ def test_the_levers_are_the_books_ten_steps_in_order():
 
 
 def test_context_statistics_fires_between_the_worst_case_and_the_typical_bound():
-    # 410,064 tokens: 3 requests of 131,072 (the worst case), 820 of 500 (the typical one).
-    assert D.context_statistics(situation(48, concurrency=48)).applies
-    assert not D.context_statistics(situation(2, concurrency=2)).applies  # the worst case covers 2
-    assert not D.context_statistics(situation(900, concurrency=900)).applies  # past what lengths allow
+    # Contiguous reservations of 410,064 tokens: 3 requests of 131,072 (the worst case), 820 of 500 (typical).
+    assert D.context_statistics(situation(48, concurrency=48, paged=False)).applies
+    assert not D.context_statistics(situation(2, concurrency=2, paged=False)).applies  # the worst case covers 2
+    assert not D.context_statistics(situation(900, concurrency=900, paged=False)).applies  # past the lengths
+    # Paged, no load makes the same max_model_len a lever: the pool passes the start-up check.
+    assert not any(D.context_statistics(situation(n, concurrency=n)).applies for n in (2, 48, 900))
 
 
 def test_active_tokens_fire_when_the_resident_tokens_exceed_the_pool():

@@ -240,7 +240,9 @@ def test_ch14_fp8_requests_and_a_squeezed_pool() -> None:
 
 
 # chapter 15's lab workloads (its parameters cell), on its GPU
-CH15_CHAT = dict(gpu="H100-SXM", model="meta-llama/Llama-3.1-8B", mean_input=161.31, mean_output=337.99)
+CH15_CHAT = dict(
+    gpu="H100-SXM", model="meta-llama/Llama-3.1-8B", mean_input=161.31, mean_output=337.99, rate=2.0
+)
 CH15_MHA = dict(
     model="meta-llama/Llama-2-7b-hf",
     gpu="A100-80GB",
@@ -258,21 +260,24 @@ def applying(spec: dict) -> list[int]:
     return [lever.step for lever in diagnose(deployment_from_dict(spec)).levers if lever.applies]
 
 
-def test_ch15_short_chat_at_three_times_the_rate() -> None:
-    at_20 = diagnose(deployment_from_dict(CH15_CHAT | {"rate": 20.0}))
-    at_60 = diagnose(deployment_from_dict(CH15_CHAT | {"rate": 60.0}))
+def test_ch15_short_chat_moved_to_an_h100() -> None:
+    lab = diagnose(deployment_from_dict(CH15_CHAT | {"gpu": "L4"}))
+    h100 = diagnose(deployment_from_dict(CH15_CHAT))
     # the exercise's command line rounds the lab's mean lengths
-    cli = diagnose(deployment_from_dict(CH15_CHAT | {"mean_input": 161, "mean_output": 338, "rate": 60.0}))
-    assert round(cli.concurrency) == round(at_60.concurrency)
-    assert applying(CH15_CHAT | {"rate": 60.0}) == [1], "only the length statistics apply"
-    assert at_60.first is not None and at_60.first.numbers["worst_case"] < at_60.concurrency
-    assert at_60.concurrency <= at_60.first.numbers["typical"], "the mean request leaves room for all"
+    cli = diagnose(deployment_from_dict(CH15_CHAT | {"mean_input": 161, "mean_output": 338}))
+    assert round(cli.concurrency) == round(h100.concurrency)
+    assert lab.first is not None and lab.first.step == 1 and h100.first is None
+    capped = diagnose(deployment_from_dict(CH15_CHAT | {"max_model_len": 2048}))
+    # A paged pool reserves nothing per request: the same pool, the same load, the same (empty) diagnosis.
+    assert capped.memory == h100.memory and capped.concurrency == h100.concurrency and capped.first is None
+    before, after = h100.levers[0].numbers["worst_case"], capped.levers[0].numbers["worst_case"]
+    assert before < after
     assert_in(
         answers("15_where_to_start")[0],
-        "length statistics still come first",
-        f"About {round(at_60.concurrency):,} requests are in flight now, against {round(at_20.concurrency):,}",
-        f"{at_60.deployment.context_limit:,}-token `max_model_len`",
-        f"only {at_60.first.numbers['worst_case']:.0f} worst-case requests",
+        "No lever applies",
+        f"the pool of {h100.memory.max_tokens():,} tokens holds a {h100.deployment.context_limit:,}-token request",
+        f"about {round(h100.concurrency):,} requests in flight",
+        f"from {before:,.0f} to {after:,.0f} requests",
     )
 
 

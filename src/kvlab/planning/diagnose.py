@@ -4,7 +4,7 @@
 reports, for every lever, whether it applies to this deployment, why, and with which figures; each lever is one
 function of a `Situation` (the deployment, its budget and the load it keeps in flight), in `LEVERS`:
 
-1. context and output statistics (is `max_model_len` far above what requests use?)  -- chapters 5, 6
+1. context and output statistics (does `max_model_len` stop the engine, or reserve per request?) -- 5, 6
 2. active sequences and tokens (does the pool hold the tokens the load keeps resident?) -- chapter 5
 3. MHA/GQA/MQA (is the model's attention the reason a token costs so much?)             -- chapter 2
 4. KV precision (would fp8 make the resident tokens fit?)                                -- chapter 11
@@ -243,25 +243,47 @@ class Situation:
 
 
 def context_statistics(s: Situation) -> Lever:
-    """1. Is `max_model_len` far above what requests use, so that the worst-case bound admits too few?"""
+    """1. Does `max_model_len` cost capacity? On a paged engine only when one request of that length does not fit
+    the pool, so the engine refuses to start; with contiguous reservations, when the worst case admits too few."""
     w, limit, pool = s.workload, s.limit, s.pool
     # What vLLM logs at start-up: "Maximum concurrency for N tokens per request".
     worst_case = pool // limit if limit else 0
     typical = pool // max(1, math.ceil(w.mean_length))
     needed = w.longest_input + w.longest_output
     oversized = limit >= OVERSIZED_CONTEXT * w.mean_length
-    applies = s.memory.fits and oversized and needed < limit and worst_case < s.in_flight <= typical
-    if applies:
-        why = (
-            f"max_model_len {limit:,} is {limit / w.mean_length:.0f}x the mean request ({w.mean_length:,.0f} "
-            f"tokens): the worst-case bound admits {worst_case:,} requests, the measured lengths {typical:,}; "
-            f"set max_model_len to the longest request you serve ({needed:,})"
-        )
+    if s.deployment.paged:
+        # A paged engine allocates blocks as tokens arrive: max_model_len only sets the start-up check (one request
+        # of that length must fit the pool), the "Maximum concurrency" line and the longest prompt accepted.
+        applies = s.memory.fits and worst_case < 1 and needed <= pool
+        if applies:
+            why = (
+                f"one request of max_model_len {limit:,} needs more than the {pool:,}-token pool, so the engine "
+                f"refuses to start; the longest request you serve ({needed:,}) fits: set max_model_len to it"
+            )
+        elif worst_case < 1:
+            why = (
+                f"max_model_len {limit:,} exceeds the {pool:,}-token pool, and so does the longest request "
+                f"({needed:,}): see lever 8"
+            )
+        else:
+            why = (
+                f"paged: max_model_len {limit:,} reserves nothing per request (blocks are allocated as tokens "
+                f"arrive); it sets the start-up check (passes), the 'Maximum concurrency' line ({worst_case:,}) "
+                "and the longest prompt accepted, not how many requests run"
+            )
     else:
-        covered = (
-            "the worst-case bound already covers the load" if worst_case >= s.in_flight else "not the limit"
-        )
-        why = f"max_model_len {limit:,} against a mean request of {w.mean_length:,.0f} tokens: {covered}"
+        applies = s.memory.fits and oversized and needed < limit and worst_case < s.in_flight <= typical
+        if applies:
+            why = (
+                f"max_model_len {limit:,} is {limit / w.mean_length:.0f}x the mean request ({w.mean_length:,.0f} "
+                f"tokens): reserving it per request admits {worst_case:,} requests, the measured lengths "
+                f"{typical:,}; set max_model_len to the longest request you serve ({needed:,})"
+            )
+        else:
+            covered = (
+                "the worst-case bound already covers the load" if worst_case >= s.in_flight else "not the limit"
+            )
+            why = f"max_model_len {limit:,} against a mean request of {w.mean_length:,.0f} tokens: {covered}"
     return Lever(
         step=1,
         name="context and output statistics",
@@ -270,7 +292,13 @@ def context_statistics(s: Situation) -> Lever:
         chapters=("05_active_tokens/index", "06_long_context/index"),
         vllm=f"--max-model-len {needed}",
         sglang=f"--context-length {needed}",
-        numbers={"worst_case": worst_case, "typical": typical, "ratio": limit / w.mean_length},
+        numbers={
+            "worst_case": worst_case,
+            "typical": typical,
+            "ratio": limit / w.mean_length,
+            "needed": needed,
+            "pool": pool,
+        },
     )
 
 
@@ -690,6 +718,7 @@ _FLAG_TYPES: dict[str, Any] = {
     "gpu_memory_utilization": float,
     "tp": int,
     "pp": int,
+    "vllm_version": str,
 }
 
 
