@@ -45,7 +45,9 @@ def test_a_pool_below_max_model_len_stops_a_paged_engine_at_start_up():
     assert lever.numbers["needed"] == 2000 <= pool
     assert "--max-model-len 2000" == lever.vllm and "--context-length 2000" == lever.sglang
     # With max_model_len set to what is served, the engine starts and lever 1 is gone.
-    assert not diagnose(Deployment(LLAMA, "L4", 160, 340, concurrency=8, max_model_len=2048)).levers[0].applies
+    assert (
+        not diagnose(Deployment(LLAMA, "L4", 160, 340, concurrency=8, max_model_len=2048)).levers[0].applies
+    )
     # A longest request above the pool is a long-context problem (lever 8), not a setting.
     long = diagnose(Deployment(LLAMA, "L4", 160, 340, concurrency=1, max_input=pool, max_output=400))
     assert not long.levers[0].applies and "see lever 8" in long.levers[0].why
@@ -65,7 +67,10 @@ def test_contiguous_reservations_of_the_models_max_len_start_with_context_statis
 
 def test_same_chat_with_max_model_len_set_needs_nothing():
     assert first(Deployment(LLAMA, "H100-SXM", 160, 340, concurrency=48, max_model_len=4096)) is None
-    assert first(Deployment(LLAMA, "H100-SXM", 160, 340, concurrency=48, max_model_len=4096, paged=False)) is None
+    assert (
+        first(Deployment(LLAMA, "H100-SXM", 160, 340, concurrency=48, max_model_len=4096, paged=False))
+        is None
+    )
 
 
 def test_mha_model_over_its_pool_fires_active_tokens_then_attention_and_precision():
@@ -266,7 +271,9 @@ def test_the_levers_are_the_books_ten_steps_in_order():
 def test_context_statistics_fires_between_the_worst_case_and_the_typical_bound():
     # Contiguous reservations of 410,064 tokens: 3 requests of 131,072 (the worst case), 820 of 500 (typical).
     assert D.context_statistics(situation(48, concurrency=48, paged=False)).applies
-    assert not D.context_statistics(situation(2, concurrency=2, paged=False)).applies  # the worst case covers 2
+    assert not D.context_statistics(
+        situation(2, concurrency=2, paged=False)
+    ).applies  # the worst case covers 2
     assert not D.context_statistics(situation(900, concurrency=900, paged=False)).applies  # past the lengths
     # Paged, no load makes the same max_model_len a lever: the pool passes the start-up check.
     assert not any(D.context_statistics(situation(n, concurrency=n)).applies for n in (2, 48, 900))

@@ -281,7 +281,9 @@ def context_statistics(s: Situation) -> Lever:
             )
         else:
             covered = (
-                "the worst-case bound already covers the load" if worst_case >= s.in_flight else "not the limit"
+                "the worst-case bound already covers the load"
+                if worst_case >= s.in_flight
+                else "not the limit"
             )
             why = f"max_model_len {limit:,} against a mean request of {w.mean_length:,.0f} tokens: {covered}"
     return Lever(
