@@ -169,6 +169,95 @@ def _published(name: str) -> PretrainedConfig:
     return config
 
 
+# Keys of a config.json that name, credit or tune a model without changing what it caches or which parameters it
+# has: a config that differs from a registry config in these alone is that model, and sizes as it does
+# (`registry_twin`; tests/test_registry_twin.py rebuilds every registry model with them changed).
+NON_SIZING_KEYS = frozenset(
+    {
+        "_name_or_path",
+        "transformers_version",
+        "architectures",
+        "auto_map",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "use_cache",
+        "initializer_range",
+        "attention_dropout",
+        "hidden_dropout",
+        "rms_norm_eps",
+        "layer_norm_epsilon",
+        "rope_theta",
+        "rope_scaling",
+        "quantization_config",
+    }
+)
+
+
+def _sizing_view(config: dict[str, Any]) -> dict[str, Any]:
+    """A config.json's keys less the non-sizing ones, at the top and in nested configs (text_config, ...)."""
+    return {
+        key: _sizing_view(value) if isinstance(value, dict) else value
+        for key, value in config.items()
+        if key not in NON_SIZING_KEYS
+    }
+
+
+def twin_candidates() -> list[str]:
+    """Registry models a pasted config can be the twin of: those transformers reads from the published file
+    alone (an entry's "defaults" or "load_as" is kvlab's own fix to that file)."""
+    return [name for name, entry in _index().items() if "defaults" not in entry and "load_as" not in entry]
+
+
+@functools.cache
+def _twin_views() -> dict[str, dict[str, Any]]:
+    return {name: _sizing_view(json.loads(config_path(name).read_text())) for name in twin_candidates()}
+
+
+def read_config_json(path: str | Path) -> dict[str, Any] | None:
+    """A config.json file's object; None for a path that is no such file (a registry name, a Hub id)."""
+    if not str(path).endswith(".json") or not Path(path).is_file():
+        return None
+    try:
+        config = json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, ValueError) as err:
+        raise UnsupportedConfigError(f"{path} is not JSON: {err}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise UnsupportedConfigError(f"{path} is not a model's config.json: it has no model_type")
+    return config
+
+
+def registry_twin(path: str | Path) -> str | None:
+    """The registry model a config.json file is, differing from its published config in `NON_SIZING_KEYS` alone:
+    its stored shape sizes the file without transformers (`kvlab.specs.shape.prepare`). None if there is none."""
+    config = read_config_json(path)
+    if config is None:
+        return None
+    view = _sizing_view(config)
+    return next((name for name, twin in _twin_views().items() if twin == view), None)
+
+
+def nearest_twin(path: str | Path) -> str:
+    """For a config.json with no registry twin: the registry model of its model_type it differs from in the
+    fewest keys, and those keys (up to four), in one clause."""
+    config = read_config_json(path)
+    if config is None:
+        raise ValueError(f"{path} is not a config.json file")
+    view = _sizing_view(config)
+
+    def differing(twin: dict[str, Any]) -> list[str]:
+        return sorted(k for k in view.keys() | twin.keys() if view.get(k, None) != twin.get(k, None))
+
+    same_type = {
+        n: differing(t) for n, t in _twin_views().items() if t.get("model_type") == view["model_type"]
+    }
+    if not same_type:
+        return f"no registry model has model_type {view['model_type']!r}"
+    name, keys = min(same_type.items(), key=lambda item: len(item[1]))
+    shown = ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+    return f"the nearest registry model, {name}, differs in {shown}"
+
+
 def resolve(config: PretrainedConfig | str) -> PretrainedConfig:
     """`config` itself, or `get(config)` for a name: what every function that takes either calls first."""
     return get(config) if isinstance(config, str) else config

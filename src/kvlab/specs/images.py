@@ -19,8 +19,11 @@ Chapter: *Long context* (book/06_long_context).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from kvlab.checks import check_count
@@ -34,6 +37,10 @@ if TYPE_CHECKING:
 
 _DYNAMIC = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"}
 _FIXED = {"gemma3"}
+# Each registry image-text model's `ImageRule`, as `image_rule` reads it from transformers' config: what sizes
+# its images and encoder cache without transformers (the book's calculator). tests/test_images.py recomputes
+# them; `python -m kvlab.specs.images` rewrites the file.
+RULES = Path(__file__).with_name("configs") / "image_rules.json"
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,15 @@ class ImageRule:
     merge_size: int = 0
     min_pixels: int = 0
     max_pixels: int = 0
+
+    def checked(self) -> ImageRule:
+        """This rule, after the checks on its processor's pixel limits (dynamic rule)."""
+        if self.kind == "dynamic":
+            check_count("min_pixels", self.min_pixels)
+            check_count("max_pixels", self.max_pixels)
+            if self.min_pixels > self.max_pixels:
+                raise ValueError(f"min_pixels={self.min_pixels} exceeds max_pixels={self.max_pixels}")
+        return self
 
     @property
     def factor(self) -> int:
@@ -96,6 +112,15 @@ def image_rule(
 
     `min_pixels`/`max_pixels` override the registry's (vLLM's `--mm-processor-kwargs`); a dynamic-resolution
     config from outside the registry needs both. A model kvlab cannot count image tokens for is an error."""
+    stored_rule = _stored_rules().get(model) if isinstance(model, str) else None
+    if stored_rule is not None and stored_rule.kind == "fixed":
+        return stored_rule
+    if stored_rule is not None:
+        return dataclasses.replace(
+            stored_rule,
+            min_pixels=stored_rule.min_pixels if min_pixels is None else min_pixels,
+            max_pixels=stored_rule.max_pixels if max_pixels is None else max_pixels,
+        ).checked()
     config = get(model) if isinstance(model, str) else model
     model_type = config.model_type
     text = config.get_text_config(decoder=True)
@@ -121,10 +146,6 @@ def image_rule(
             f"{model_type}: the image processor's min_pixels and max_pixels are not in kvlab's registry for this"
             " config; pass both (they are in the model's preprocessor_config.json)"
         )
-    check_count("min_pixels", low)
-    check_count("max_pixels", high)
-    if low > high:
-        raise ValueError(f"min_pixels={low} exceeds max_pixels={high}")
     levels = len(getattr(vision, "deepstack_visual_indexes", None) or [])
     return ImageRule(
         model_type,
@@ -134,7 +155,7 @@ def image_rule(
         merge_size=vision.spatial_merge_size,
         min_pixels=low,
         max_pixels=high,
-    )
+    ).checked()
 
 
 def parse_image_size(text: str) -> tuple[int, int]:
@@ -235,9 +256,12 @@ def encoder_cache(
     (`UnsupportedConfigError`), as is a dynamic-resolution config without its processor's pixel limits."""
     check_count("max_num_batched_tokens", max_num_batched_tokens)
     if isinstance(model, str) and model in registry():
-        # The stored JSON answers for a text model, so `kvlab size` of one never imports transformers.
+        # The stored JSON answers for a text model, and the stored rule for an image-text one, so that `kvlab
+        # size` of a registry model never imports transformers.
         if "vision_config" not in json.loads(config_path(model).read_text()):
             return None
+        if model in _stored_rules():
+            return EncoderCache(image_rule(model), max_num_batched_tokens, dtype_bytes(dtype))
         config = get(model)
     else:
         config = get(model) if isinstance(model, str) else model
@@ -267,3 +291,36 @@ def image_cost(
     return ImageCost(
         rule, images, width, height, kv_bytes_per_token, max_num_batched_tokens, dtype_bytes(dtype)
     )
+
+
+@functools.cache
+def _stored_rules() -> dict[str, ImageRule]:
+    if not RULES.is_file():
+        return {}
+    return {name: ImageRule(**fields) for name, fields in json.loads(RULES.read_text())["models"].items()}
+
+
+def registry_rules() -> dict[str, ImageRule]:
+    """Each registry image-text model's rule, read from transformers' config (what `RULES` stores)."""
+    names = [n for n in registry() if "vision_config" in json.loads(config_path(n).read_text())]
+    return {name: image_rule(get(name), **_registry_pixels(name)) for name in names}
+
+
+def _registry_pixels(name: str) -> dict[str, int]:
+    stored = image_processor(name) or {}
+    return {k: stored[k] for k in ("min_pixels", "max_pixels") if k in stored}
+
+
+def write_registry_rules(path: Path = RULES) -> None:
+    """Store `registry_rules()` in `path`, one model a line."""
+    about = "kvlab.specs.images: each registry image-text model's ImageRule; rewrite with python -m kvlab.specs.images"
+    lines = [
+        f" {json.dumps(name)}: {json.dumps(dataclasses.asdict(rule))}"
+        for name, rule in registry_rules().items()
+    ]
+    path.write_text(f'{{"about": {json.dumps(about)}, "models": {{\n' + ",\n".join(lines) + "\n}}\n")
+    _stored_rules.cache_clear()
+
+
+if __name__ == "__main__":
+    write_registry_rules()

@@ -87,7 +87,13 @@ class WeightGroup:
 
 def prepare(config: PretrainedConfig | str) -> PretrainedConfig | str:
     """What a function that sizes one model several ways passes on: a config or a registry name as they are
-    (the name's shape is stored), another name loaded once (`kvlab.specs.arch.get`)."""
+    (the name's shape is stored), another name loaded once (`kvlab.specs.arch.get`). A config.json file that
+    is a registry model but for its non-sizing keys is that model's name (`kvlab.specs.arch.registry_twin`), so
+    that it too sizes without torch or transformers."""
+    if isinstance(config, str) and config not in _stored():
+        twin = arch.registry_twin(config)
+        if twin is not None and twin in _stored():
+            return twin
     found = _lookup(config)
     return config if isinstance(found, tuple) else found
 
