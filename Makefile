@@ -29,7 +29,15 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	@touch $@
 
-install: $(STAMP)
+# The book's calculator (book/calculator) runs kvlab in the browser on Pyodide, a build dependency pinned by
+# tools/calculator/package-lock.json; _ext/kvlab_calculator.py copies its core into _build/html.
+CALC := tools/calculator
+CALC_STAMP := $(CALC)/node_modules/.kvlab-installed
+$(CALC_STAMP): $(CALC)/package.json $(CALC)/package-lock.json
+	cd $(CALC) && npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+install: $(STAMP) $(CALC_STAMP)
 
 ## make book: execute every notebook and build the HTML into _build/html; any failing cell or warning fails.
 ## Then the Chinese edition into _build/html/zh (make book-zh).
@@ -117,7 +125,7 @@ smoke: install
 ## _build/screenshots/zh, at 1280 and 412 px) and tools/prose_zh.py (40 汉字 a sentence on average, none over 100).
 browser: install
 	$(FRESH) browser -- $(BIN)/pytest tools/browser_book.py tools/prose.py tools/browser_diagrams.py \
-	  tools/browser_zh.py tools/prose_zh.py -p no:cacheprovider
+	  tools/browser_zh.py tools/prose_zh.py tools/browser_calculator.py -p no:cacheprovider
 
 ## make lab: JupyterLab at the repository root with the venv's kernel (labs trusted); prints the URL to open.
 ## LAB_PORT=8888 LAB_IP=127.0.0.1 by default; as root it adds --allow-root. Remote box: see docs/running.md.
@@ -176,10 +184,11 @@ colab-nbval:
 	python3 tools/colab_venv.py --nbval
 	python3 tools/colab_venv.py --nbval --capped-isa
 
-## make gpu: every lab at the GPU sizes of book/gpu_params.yaml (papermill); executed notebooks and JSON of
-## glued scalars with provenance under book/results/<gpu>/. No install step: run `make install` first, or
+## make gpu: every lab at the GPU sizes of src/kvlab/book/gpu_params.yaml (the profile that fits the GPU's free
+## memory, as each lab picks it: kvlab.book.profiles; papermill); executed notebooks and JSON of glued scalars
+## with provenance under book/results/<gpu>/. No install step: run `make install` first, or
 ## scripts/gpu_run.sh on a machine without a package index. GPU_LABS=01_cache_contents,... picks chapters.
-GPU_PARAMS ?= book/gpu_params.yaml
+GPU_PARAMS ?= src/kvlab/book/gpu_params.yaml
 GPU_LABS ?=
 GPU_OUT ?= book/results
 gpu:
