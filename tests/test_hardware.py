@@ -31,7 +31,8 @@ def test_spec_units_are_plausible(name):
         assert hw.fp8_flops == pytest.approx(2 * hw.flops, rel=0.02)
     # every figure is cited: a datasheet URL, or a press report said to be one
     assert "https://" in hw.source or "PRESS REPORT" in hw.source
-    assert hw.memory_source.startswith(hardware._SMI)
+    # the driver's total: nvidia-smi, or rocm-smi on AMD's parts
+    assert hw.memory_source.startswith((hardware._SMI, "rocm-smi"))
 
 
 # The parts readers deploy (issue 21, item 8), each figure as its source states it: driver MiB, datasheet GB,
@@ -41,7 +42,7 @@ def test_spec_units_are_plausible(name):
     [("H800", 81559, 80, 3.35, 989.4, 1978.9, 400), ("A800-80GB", 81920, 80, 2.039, 312, None, 400),
      ("H20", 97871, 96, 4.0, 148, 296, 900), ("L20", 46068, 48, 0.864, 119.5, 239, None),
      ("L40S", 46068, 48, 0.864, 362.05, 733, None), ("RTX-4090", 24564, 24, 1.008, 165.2, 330.3, None),
-     ("RTX-3090", 24576, 24, 0.936, 71, None, None)],
+     ("RTX-3090", 24576, 24, 0.936, 71, None, None), ("MI300X", 196288, 192, 5.3, 1307.4, 2614.9, 896)],
 )  # fmt: skip
 def test_deployed_gpus(name, mib, gb, tb_s, tflops, fp8, nvlink):
     hw = hardware.get(name)

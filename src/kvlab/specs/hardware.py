@@ -191,6 +191,22 @@ _SPECS = [
         "https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200 per-GPU figures: 4.5 PFLOPS bf16 sparse)",
         fp8_flops=4500 * TFLOPS,
     ),
+    Accelerator(
+        "MI300X",
+        196288 * MiB,
+        192 * GB,
+        5.3 * TB,
+        1307.4 * TFLOPS,
+        PCIE_X16_BYTES_PER_S[5],
+        896 * GB,
+        "https://www.amd.com/content/dam/amd/en/documents/instinct-tech-docs/data-sheets/amd-instinct-mi300x-data-"
+        "sheet.pdf (AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, BF16 1,307.4 and FP8 2,614.9 TFLOPS "
+        "dense, 7 Infinity Fabric links of 128 GB/s, PCIe Gen5 x16)",
+        memory_source="rocm-smi --showmeminfo vram on an idle card ('VRAM Total Memory (B): 205822885888')",
+        note="AMD, OAM module on ROCm: vLLM and SGLang run on it through ROCm/HIP; `nvidia-smi` does not exist "
+        "there. The peer figure is the seven Infinity Fabric links summed, as the datasheet quotes them.",
+        fp8_flops=2614.9 * TFLOPS,
+    ),
     # The parts below are the ones readers deploy beside the datacentre flagships: the export variants sold in
     # China (H800, A800, H20, L20) and the Ada/Ampere cards of small servers (L40S, RTX 4090, RTX 3090).
     Accelerator(
