@@ -133,7 +133,7 @@ class CalculatorDirective(Directive):
 
 def add_script(app, pagename, templatename, context, doctree):
     if pagename in getattr(app.env, "kvlab_calculator_pages", set()):
-        app.add_js_file("calculator/calculator.js")
+        app.add_js_file("calculator/calculator.js", defer="defer")
         app.add_css_file("calculator/calculator.css")
 
 

@@ -13,16 +13,21 @@ import functools
 import http.server
 import io
 import json
+import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
-from browser_book import HTML, PHONE, VIEWPORT
+import browser_book
+from browser_book import PHONE, VIEWPORT
 from chromium import SCREENSHOTS, browser
 
 from kvlab import cli
 from kvlab.specs import arch
 
+# KVLAB_BOOK_HTML: another build to test (a build of the calculator pages alone, say).
+HTML = Path(os.environ.get("KVLAB_BOOK_HTML", browser_book.HTML))
 PAGES = {"en": "book/calculator/index.html", "zh": "zh/book/zh/calculator.html"}
 # One setting for every registry model: an fp8 cache on one H200 (a model that does not fit says so, equally).
 SETTING = {"context": "8k", "batch": 8, "kv-dtype": "fp8", "gpu": "H200"}
@@ -42,13 +47,16 @@ def cli_json(args: dict, cwd=None) -> dict:
     return json.loads(out.getvalue())
 
 
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format, *args):
+        pass
+
+
 @pytest.fixture(scope="module")
 def site():
-    if not (HTML / PAGES["en"]).is_file() or not (HTML / PAGES["zh"]).is_file():
-        pytest.fail("no calculator page in _build/html: run `make book`", pytrace=False)
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(HTML))
-    handler.log_message = lambda *a, **k: None
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(QuietHandler, directory=str(HTML))
+    )
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}/"
     server.shutdown()
@@ -57,6 +65,8 @@ def site():
 def open_calculator(chromium, base: str, edition: str, viewport: dict, query: str = ""):
     """The page opened in a fresh context that reaches nothing but `base`; (page, seconds to the first result,
     console errors, refused requests)."""
+    if not (HTML / PAGES[edition]).is_file():
+        pytest.fail(f"no {PAGES[edition]} in {HTML}: run `make book`", pytrace=False)
     context = chromium.new_context(viewport=viewport)
     refused: list[str] = []
 
@@ -74,6 +84,11 @@ def open_calculator(chromium, base: str, edition: str, viewport: dict, query: st
     start = time.perf_counter()
     page.goto(base + PAGES[edition] + query, wait_until="load")
     page.wait_for_function("document.querySelector('.kvlab-calculator').dataset.answers >= 1", timeout=60_000)
+    phases = json.loads(page.evaluate("document.querySelector('.kvlab-calculator').dataset.phases"))
+    print(
+        f"\n{PAGES[edition]} at {viewport['width']} px: Python up at {phases['python']} ms, kvlab imported at "
+        f"{phases['kvlab']} ms after the script started"
+    )
     return page, time.perf_counter() - start, errors, refused
 
 
