@@ -18,8 +18,8 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 import browser_book
+import pytest
 from browser_book import PHONE, VIEWPORT
 from chromium import SCREENSHOTS, browser
 
