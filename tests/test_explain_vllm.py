@@ -74,13 +74,15 @@ def _row(out: str, term: str) -> str:
 
 def test_kvlabs_column_is_kvlab_size_gpus_arithmetic_at_the_logs_settings(capsys):
     # A v1 log (0.10.2, enforce_eager, no utilisation printed) read as if on an H100 SXM: kvlab's terms must be
-    # memory_budget's at vLLM 0.33's defaults for that GPU, with the log's eager mode and max_model_len.
+    # memory_budget's at that release's defaults for the GPU (0.19.0's rule, the nearest kvlab read: 0.9), with
+    # the log's eager mode and max_model_len.
     h100 = hardware.get("H100-SXM")
     log = vllm_log.parse((DATA / "jetson-thor-llama31-8b-v0.10.2.log").read_text())
     found = explain_vllm.estimate(log, "meta-llama/Llama-3.1-8B", h100.memory_bytes)
-    expected = budget.BudgetSettings(enforce_eager=True, max_model_len=131072).memory_budget(
-        "meta-llama/Llama-3.1-8B", h100
-    )
+    expected = budget.BudgetSettings(
+        enforce_eager=True, max_model_len=131072, vllm_version="0.10.2"
+    ).memory_budget("meta-llama/Llama-3.1-8B", h100)
+    assert expected.gpu_memory_utilization == 0.9
     assert found.memory.kv_headroom_bytes == expected.kv_headroom_bytes
     assert (found.max_num_batched_tokens, found.max_num_seqs) == (8192, 1024)  # vLLM serve on a >= 70 GiB GPU
     gib = h100.memory_bytes / 2**30

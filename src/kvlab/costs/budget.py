@@ -1,50 +1,27 @@
 """The memory budget: what is left for KV blocks once everything else has taken its share of the GPU.
 
-Term by term, the way vLLM 0.33.0 sizes its pool at start-up (read from the 0.33.0 wheel's source):
-`vllm/v1/worker/gpu_worker.py` `Worker.init_device` takes a memory snapshot once CUDA, NCCL and the cuBLAS
-handles are up, and `request_memory` (`vllm/v1/worker/utils.py`) asks for `ceil(total × gpu_memory_utilization)`
-of the CUDA-visible total; `Worker.determine_available_memory` runs `memory_profiling`
-(`vllm/utils/mem_utils.py`) around `GPUModelRunner.profile_run` and returns
+One rule per vLLM release (`kvlab.specs.vllm_defaults.RELEASES`; `vllm_version` picks one, the current release
+0.34.0 by default). Each rule is read from that release's source; the provenance is in tests/test_budget.py.
 
-    requested - (weights + non-torch increase + persistent buffers) - transient peak - CUDA-graph estimate.
+- **Estimate rules** (v0, v1, and 0.20-0.33 with the CUDA-graph charge): vLLM snapshots memory once CUDA and
+  NCCL are up, requests `ceil(CUDA's total × gpu_memory_utilization)`, profiles one dummy step and keeps
+  `requested - (weights + non-torch growth) - activation peak - CUDA-graph estimate` for the cache. v0 charges
+  all memory outside PyTorch, the CUDA context included, and profiles a whole `max_model_len` prompt when chunked
+  prefill is off (its default up to 32k tokens); v1 before 0.20 charges no graphs.
+- **Measured rule** (0.34's extensible cache, on by default on CUDA): the cache is sized after warmup and graph
+  capture: `min(requested - used, headroom - margin) - transient`, with `headroom` the memory free after the
+  context and everything vLLM keeps, `margin = max(1 GiB, 0.75 × transient)` and `transient` the profiled peak
+  plus the graph estimate; blocks are rounded to the VMM granule. `extensible_kv_cache=False` is 0.34's fallback
+  (a set `kv_cache_memory_bytes`, legacy-IPC connectors, no VMM: `vllm_defaults.EXTENSIBLE_FALLBACKS`).
 
-1. **capacity**: the total NVML (`nvidia-smi`) reports, as `kvlab.specs.hardware` stores it;
-2. **driver reserve**: CUDA's own total (`cudaMemGetInfo`, what vLLM multiplies) is smaller by a few hundred
-   MiB. An estimate (`DRIVER_RESERVED_BYTES`), measured on a GPU as `torch.cuda.mem_get_info()[1]`;
-3. **engine cap**: `1 - gpu_memory_utilization` of CUDA's total stays unused. The CUDA context, NCCL's
-   buffers and cuBLAS's handles exist before vLLM's snapshot, so they live inside this headroom and are not
-   subtracted again (`kvlab.measure.cuda_context_bytes` measures them on a GPU);
-4. **non-torch memory**: what grows outside PyTorch during the profile run (attention workspaces, the
-   communication buffers `_dummy_run(is_profile=True)` pre-allocates). An estimate per TP size
-   (`non_torch_bytes`): much larger at TP >= 2;
-5. **weights**: parameters × bytes (`kvlab.specs.sizing.weight_bytes_per_gpu`), vLLM's "Model loading took";
-6. **activation peak**: `profile_run` runs `_dummy_run(max_num_batched_tokens)` and then `_dummy_sampler_run`
-   on `min(max_num_seqs, max_num_batched_tokens)` rows of logits; the allocator's peak is the larger of the
-   two, since the forward's tensors are freed first. Both are estimates (`forward_peak_bytes`,
-   `sampler_peak_bytes`); an engine with the model at hand measures the peak (`kvlab.engine` does). With
-   chunked prefill off vLLM raises `max_num_batched_tokens` to `max_model_len`, so one whole prompt is profiled;
-7. **CUDA graphs**: `GPUModelRunner.profile_cudagraph_memory` captures two graphs per mode and extrapolates;
-   0.33 subtracts that estimate (`VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1`, the default since 0.21).
-   kvlab's estimate: `cuda_graph_bytes`; none with `enforce_eager`;
-8. **block rounding**: the pool holds whole blocks of `block_size` tokens, and a sequence holds whole blocks.
-
-**Speculative decoding** (`speculative=K` with a `draft` model or `draft_layers`, an EAGLE-style head; the vLLM
-source read is cited in `kvlab.specs.sizing`'s speculative section): the drafter's weights are loaded before the
-profile run and subtracted beside the target's (`kvlab.specs.sizing.draft_weight_bytes_per_gpu`; an estimate for
-a head); its attention layers share the target's KV-cache groups, so a block holds target + draft layers
-(`kvlab.specs.sizing.draft_kv_bytes_per_token`) and the pool has fewer blocks; and each running sequence holds
-2K slots more (K drafts under verification, K lookahead: `kvlab.specs.sizing.speculative_slots`), capped at
-`max_model_len`. The drafter's own activation peak and graph captures are not counted, so with speculation the
-pool is no longer the lower bound described below.
-
-**When the pool is a bound.** `kv_pool_bytes` is a lower bound on vLLM 0.33's "Available KV cache memory" at
-the same settings when each estimated term (driver reserve, non-torch memory, activation peak, CUDA graphs) is
-at or above what vLLM measures and the weights are vLLM's. The estimates are chosen above every published
-measurement kvlab has (`tests/data/vllm_logs`); `tests/test_budget_vs_logs.py` checks the pool against them.
+Two pools come out. `kv_pool_bytes` is the **expected** pool: every estimated term at its central value
+(`CENTRAL`, calibrated on half of tests/data/vllm_logs; `kvlab.planning.accuracy`). `kv_pool_floor_bytes` is a
+**lower bound**: every term at an estimate above each published measurement (`FLOOR`). The appendix page
+*How close kvlab's pool comes to vLLM's* (book/appendix_accuracy) gives both against every collected log.
 
 `MemoryBudget` is the one place a KV budget is computed: `kvlab size --gpu`, the chapters' "N sequences fit"
-figures and the engine's pool all come from it; vLLM's defaults come from `kvlab.specs.vllm_defaults`. Chapters:
-*Active tokens, not batch size* (book/05_active_tokens), *Long context* (book/06_long_context).
+figures and the engine's pool all come from it. Chapters: *Active tokens, not batch size* (book/05_active_tokens),
+*Long context* (book/06_long_context).
 """
 
 from __future__ import annotations
@@ -57,7 +34,7 @@ from typing import TYPE_CHECKING
 from kvlab.checks import check_count
 from kvlab.specs import hardware, vllm_defaults
 from kvlab.specs.shape import prepare, shape
-from kvlab.units import MiB, dtype_bytes, format_bytes, format_tokens
+from kvlab.units import GiB, MiB, cdiv, dtype_bytes, format_bytes, format_tokens
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -73,29 +50,98 @@ MAX_NUM_SEQS = vllm_defaults.OTHER.max_num_seqs["serve"]
 CUDA_CONTEXT_BYTES = 781 * MiB  # nvidia-smi after CUDA init in PyTorch (pytorch/pytorch#34323)
 DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8")  # the weight and KV precisions `BudgetSettings` takes
 
-# NVML's total less CUDA's: 430 MiB on an RTX 3090 (23.58 GiB printed by vLLM, tests/data/vllm_logs), 479 MiB
-# on an H100 80GB (79.18 GiB, llm-d/llm-d-benchmark), 494 MiB on an RTX PRO 4500 (vllm-project/vllm#51590).
-DRIVER_RESERVED_BYTES = 512 * MiB
-# Memory outside PyTorch that vLLM's profile run adds: 0.05-0.35 GiB measured at TP=1, about 2.1 GiB per GPU at
-# TP >= 2 (NCCL and custom all-reduce buffers), in the logs of tests/data/vllm_logs and kvlab issue 21.
-NON_TORCH_BYTES_TP1 = 512 * MiB
-NON_TORCH_BYTES_TP = 2304 * MiB
-# The sampler's dummy batch, bytes per logit alive at its peak in 0.33 (vllm/v1/sample/sampler.py and
-# ops/topk_topp_sampler.py forward_native, Triton top-k/top-p): the bf16 logits (2), their fp32 copy (4), the
-# probabilities (4) and the exponential noise (4), rounded up for kernel scratch. The PyTorch path, taken without
-# Triton (and by older versions), sorts: values (4) and int64 indices (8) more. A published v1 log measured a
-# 4.76 GiB peak for Llama-3.1-8B at 1,024 rows of its 128,256-token vocabulary, 39 B a logit
-# (llm-d/llm-d-benchmark, config_explorer/empirical-vllm-memory-results.md): kvlab charges 40 so the pool stays a
-# lower bound there too.
-SAMPLER_BYTES_PER_LOGIT = 40
-# One captured CUDA graph beyond the first: about 24 MiB for a FULL graph (vllm-project/vllm#50780), 23 MiB
-# averaged over 16 PIECEWISE graphs (gpustack/runner#251: 0.36 GiB).
-CUDA_GRAPH_BYTES = 24 * MiB
+# 0.34's extensible cache (vllm/v1/worker/extensible_kv_cache.py): the margin's floor and share of the transient
+# peak (3 GiB on ROCm; kvlab models CUDA), and the VMM granule a commit is rounded to per segment (2 MiB,
+# cuMemGetAllocationGranularity's minimum on current NVIDIA GPUs).
+KV_CACHE_MARGIN_FLOOR_BYTES = 1 * GiB
+KV_CACHE_MARGIN_FRACTION = 0.75
+VMM_GRANULE_BYTES = 2 * MiB
 
 
-def non_torch_bytes(tp: int = 1) -> int:
+@dataclass(frozen=True)
+class Estimates:
+    """kvlab's estimate of each term vLLM measures at start-up; `FLOOR` and `CENTRAL` are the two sets."""
+
+    driver_reserved_bytes: int  # NVML's total less CUDA's
+    non_torch_tp1_bytes: int  # memory outside PyTorch the profile adds, one GPU
+    non_torch_tp_bytes: int  # the same at TP >= 2 (NCCL and custom all-reduce buffers)
+    context_tp1_bytes: int  # in use before vLLM's snapshot (CUDA context, cuBLAS): charged by 0.34 and v0
+    context_tp_bytes: int  # the same at TP >= 2 (NCCL communicators come up first)
+    sampler_bytes_per_logit: int  # the sampler's dummy batch, per logit alive at its peak, before vLLM 0.17
+    sampler_bytes_per_logit_017: int  # the same from 0.17, whose profiled activation peak fell by about 60 %
+    cuda_graph_bytes: int  # one captured graph beyond the first
+    forward_percent: int  # the forward's activation estimate, as a share of `activation_workspace_bytes`
+
+    def non_torch(self, tp: int) -> int:
+        return self.non_torch_tp1_bytes if check_count("tp", tp) == 1 else self.non_torch_tp_bytes
+
+    def context(self, tp: int) -> int:
+        return self.context_tp1_bytes if check_count("tp", tp) == 1 else self.context_tp_bytes
+
+    def sampler_rate(self, version: tuple[int, ...]) -> int:
+        """Bytes per logit of the sampler's dummy batch at vLLM `version` (major, minor, ...)."""
+        return (
+            self.sampler_bytes_per_logit_017
+            if version[:2] >= SAMPLER_SHRANK_IN
+            else self.sampler_bytes_per_logit
+        )
+
+
+# The release whose profiled activation peak fell by about 60 % (llm-d-incubation/llm-d-planner,
+# accuracy/accuracy_report.md, "vLLM Version Sensitivity": Qwen3-14B at 1,024 sampled rows, 5.64 GiB in 0.16.0,
+# 2.23 GiB in 0.17.0: 39 and 15 bytes per logit of its 151,936-token vocabulary).
+SAMPLER_SHRANK_IN = (0, 17)
+
+
+# Each term above every measurement kvlab has, so the pool is a lower bound:
+# - driver reserve: 430 MiB on an RTX 3090 (23.58 GiB printed by vLLM, tests/data/vllm_logs), 479 MiB on an H100
+#   80GB (79.18 GiB, llm-d/llm-d-benchmark), 494 MiB on an RTX PRO 4500 (vllm-project/vllm#51590);
+# - non-torch: 0.05-0.35 GiB measured at TP=1, about 2.1 GiB per GPU at TP >= 2, in tests/data/vllm_logs and
+#   kvlab issue 21; the context: pytorch/pytorch#34323's 781 MiB, NCCL's buffers beside it at TP >= 2;
+# - sampler: 0.33's Triton top-k/top-p path holds the bf16 logits (2), their fp32 copy (4), the probabilities (4)
+#   and the exponential noise (4) (vllm/v1/sample/sampler.py, ops/topk_topp_sampler.py); the PyTorch path sorts:
+#   values (4) and int64 indices (8) more. A v1 log measured 4.76 GiB for Llama-3.1-8B at 1,024 rows of 128,256
+#   logits, 39 B a logit (llm-d/llm-d-benchmark, config_explorer/empirical-vllm-memory-results.md): 40;
+# - graphs: about 24 MiB for a FULL graph (vllm-project/vllm#50780), 23 MiB averaged over 16 PIECEWISE graphs
+#   (gpustack/runner#251: 0.36 GiB).
+FLOOR = Estimates(
+    driver_reserved_bytes=512 * MiB,
+    non_torch_tp1_bytes=512 * MiB,
+    non_torch_tp_bytes=2304 * MiB,
+    context_tp1_bytes=CUDA_CONTEXT_BYTES,
+    context_tp_bytes=CUDA_CONTEXT_BYTES + 512 * MiB,
+    sampler_bytes_per_logit=40,
+    sampler_bytes_per_logit_017=40,
+    cuda_graph_bytes=24 * MiB,
+    forward_percent=100,
+)
+# Central values, fitted on the calibration half of tests/data/vllm_logs (kvlab.planning.accuracy.calibrate;
+# the page book/appendix_accuracy gives the fit and the held-out error). Not fitted to pools: the driver reserve
+# (the mean of the three measurements above), the context at TP >= 2, and the graphs, 8 MiB a capture beyond
+# the first: Llama-3.1-8B's 0.84 GiB over its 102 captures on an H100 (llm-d/llm-d-benchmark,
+# config_explorer/empirical-vllm-memory-results.md), since few logs charge graphs to their pool.
+CENTRAL = Estimates(
+    driver_reserved_bytes=468 * MiB,
+    non_torch_tp1_bytes=64 * MiB,
+    non_torch_tp_bytes=1536 * MiB,
+    context_tp1_bytes=256 * MiB,
+    context_tp_bytes=1024 * MiB,
+    sampler_bytes_per_logit=38,
+    sampler_bytes_per_logit_017=16,
+    cuda_graph_bytes=8 * MiB,
+    forward_percent=90,
+)
+# The module's historical names for the floor's terms
+DRIVER_RESERVED_BYTES = FLOOR.driver_reserved_bytes
+NON_TORCH_BYTES_TP1 = FLOOR.non_torch_tp1_bytes
+NON_TORCH_BYTES_TP = FLOOR.non_torch_tp_bytes
+SAMPLER_BYTES_PER_LOGIT = FLOOR.sampler_bytes_per_logit
+CUDA_GRAPH_BYTES = FLOOR.cuda_graph_bytes
+
+
+def non_torch_bytes(tp: int = 1, estimates: Estimates = FLOOR) -> int:
     """Estimated memory outside PyTorch that vLLM charges per GPU at `tp` tensor-parallel ranks."""
-    return NON_TORCH_BYTES_TP1 if check_count("tp", tp) == 1 else NON_TORCH_BYTES_TP
+    return estimates.non_torch(tp)
 
 
 def cuda_graph_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
@@ -115,31 +161,43 @@ def cuda_graph_bytes(
     max_num_batched_tokens: int,
     dtype: str = "bf16",
     tp: int = 1,
+    estimates: Estimates = FLOOR,
 ) -> int:
     """Estimated CUDA-graph memory as vLLM 0.33 subtracts it (`GPUModelRunner.profile_cudagraph_memory`).
 
     vLLM's default mode, FULL_AND_PIECEWISE, captures a PIECEWISE graph for every size of `cuda_graph_sizes`
     and a FULL graph for every decode batch up to `max_num_seqs`; per mode it counts its first capture whole
     and the second one once per further graph, then overlays the two modes' first captures (max). kvlab takes
-    the first capture as the forward peak at the largest size and `CUDA_GRAPH_BYTES` per further graph."""
+    the first capture as the forward peak at the largest size and `estimates.cuda_graph_bytes` per further
+    graph."""
     sizes = cuda_graph_sizes(max_num_seqs, max_num_batched_tokens)
     decode = [n for n in sizes if n <= max_num_seqs]
-    first = forward_peak_bytes(config, sizes[-1], dtype, tp=tp)
-    return first + CUDA_GRAPH_BYTES * (len(sizes) - 1 + max(len(decode) - 1, 0))
+    first = forward_peak_bytes(config, sizes[-1], dtype, tp=tp, estimates=estimates)
+    return first + estimates.cuda_graph_bytes * (len(sizes) - 1 + max(len(decode) - 1, 0))
 
 
-def sampler_peak_bytes(config: PretrainedConfig | str, num_seqs: int) -> int:
-    """Estimated peak of vLLM's `_dummy_sampler_run`: `num_seqs` rows of logits over the whole vocabulary
-    (every TP rank gathers them), `SAMPLER_BYTES_PER_LOGIT` bytes each."""
-    return check_count("num_seqs", num_seqs) * shape(config).vocab_size * SAMPLER_BYTES_PER_LOGIT
+def sampler_peak_bytes(
+    config: PretrainedConfig | str,
+    num_seqs: int,
+    estimates: Estimates = FLOOR,
+    version: tuple[int, ...] = vllm_defaults.version_tuple(vllm_defaults.VLLM_VERSION),
+) -> int:
+    """Estimated peak of vLLM's `_dummy_sampler_run` at `version`: `num_seqs` rows of logits over the whole
+    vocabulary (every TP rank gathers them), `estimates.sampler_rate(version)` bytes each."""
+    rate = estimates.sampler_rate(version)
+    return check_count("num_seqs", num_seqs) * shape(config).vocab_size * rate
 
 
 def forward_peak_bytes(
-    config: PretrainedConfig | str, num_tokens: int, dtype: str = "bf16", tp: int = 1
+    config: PretrainedConfig | str,
+    num_tokens: int,
+    dtype: str = "bf16",
+    tp: int = 1,
+    estimates: Estimates = FLOOR,
 ) -> int:
     """Estimated activation peak of vLLM's dummy forward over `num_tokens` tokens: `activation_workspace_bytes`
-    with one sampled row (the logits belong to the sampler's run)."""
-    return activation_workspace_bytes(config, num_tokens, 1, dtype, tp=tp)
+    with one sampled row (the logits belong to the sampler's run), at `estimates.forward_percent` of it."""
+    return activation_workspace_bytes(config, num_tokens, 1, dtype, tp=tp) * estimates.forward_percent // 100
 
 
 @dataclass(frozen=True)
@@ -178,8 +236,21 @@ class MemoryBudget:
     # Why an image-text model's encoder cache is not in `encoder_cache_bytes` although vLLM reserves one ("" when
     # it is, or when there is none): the pool then overstates vLLM's.
     encoder_cache_missing: str = ""
+    # The rule (kvlab.specs.vllm_defaults.Release.sizing) and which release's source it is read from
+    sizing: str = "v1+graphs"
+    vllm_note: str = ""
+    # The measured rule's terms: memory in use before vLLM's snapshot (charged there, inside the engine cap
+    # otherwise), the graph estimate kept free beside the activation peak, and the cache's VMM segments
+    context_bytes: int = 0
+    context_source: str = "none counted"
+    cuda_graph_estimate_bytes: int = 0
+    kv_segments: int = 1
+    # The same budget with every estimated term at its bound (kvlab.costs.budget.FLOOR); None: this is the floor
+    floor: MemoryBudget | None = None
 
     def __post_init__(self) -> None:
+        if self.sizing not in ("v0", "v1", "v1+graphs", "measured"):
+            raise ValueError(f"sizing must be v0, v1, v1+graphs or measured, got {self.sizing!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name in (
@@ -195,9 +266,11 @@ class MemoryBudget:
             "encoder_cache_bytes",
             "speculative_tokens",
             "lookahead_slots",
+            "context_bytes",
+            "cuda_graph_estimate_bytes",
         ):
             check_count(name, getattr(self, name), 0)
-        for name in ("block_size", "kv_bytes_per_token"):
+        for name in ("block_size", "kv_bytes_per_token", "kv_segments"):
             check_count(name, getattr(self, name))
         if self.max_model_len is not None:
             check_count("max_model_len", self.max_model_len)
@@ -237,25 +310,89 @@ class MemoryBudget:
         return self.block_size * self.kv_bytes_per_token
 
     @property
-    def kv_headroom_bytes(self) -> int:
-        """What the other terms leave for the cache; negative when they alone do not fit."""
+    def transient_bytes(self) -> int:
+        """The measured rule's transient kept free: the profiled peak plus the graph estimate
+        (`reserved_headroom_bytes`, vllm/v1/worker/gpu_worker.py of 0.34.0); 0 under an estimate rule."""
+        return self.peak_bytes + self.cuda_graph_estimate_bytes if self.sizing == "measured" else 0
+
+    @property
+    def margin_bytes(self) -> int:
+        """The measured rule's margin beyond the transient: max(1 GiB, 0.75 × transient)."""
+        if self.sizing != "measured":
+            return 0
+        return max(KV_CACHE_MARGIN_FLOOR_BYTES, int(self.transient_bytes * KV_CACHE_MARGIN_FRACTION))
+
+    @property
+    def used_bytes(self) -> int:
+        """What vLLM keeps outside the cache after start-up: non-torch memory, weights and (measured) graphs."""
+        graphs = self.cuda_graph_bytes if self.sizing == "measured" else 0
+        return self.runtime_bytes + self.weight_bytes + self.draft_weight_bytes + graphs
+
+    @property
+    def reservation_bytes(self) -> int:
+        """The estimate rule's KV memory, vLLM's "Available KV cache memory"; under the measured rule only the
+        address space reserved, which caps the measured pool."""
+        graphs = self.cuda_graph_estimate_bytes if self.sizing == "measured" else self.cuda_graph_bytes
         return (
             self.requested_bytes
             - self.runtime_bytes
             - self.weight_bytes
             - self.draft_weight_bytes
             - self.peak_bytes
-            - self.cuda_graph_bytes
+            - graphs
+            - (self.context_bytes if self.sizing == "v0" else 0)
         )
 
     @property
+    def utilization_cap_bytes(self) -> int:
+        """Measured rule: what a utilisation below 1.0 withholds beyond the device's own limit (0 when the
+        device binds first)."""
+        if self.sizing != "measured":
+            return 0
+        device = self.cuda_total_bytes - self.context_bytes - self.used_bytes - self.margin_bytes
+        return max(device - (self.requested_bytes - self.used_bytes), 0)
+
+    @property
+    def reservation_cap_bytes(self) -> int:
+        """Measured rule: what the reserved address space cuts off the measured figure (usually 0)."""
+        if self.sizing != "measured":
+            return 0
+        device = self.cuda_total_bytes - self.context_bytes - self.used_bytes - self.margin_bytes
+        measured = device - self.utilization_cap_bytes - self.transient_bytes
+        return max(measured - self.reservation_bytes, 0)
+
+    @property
+    def kv_headroom_bytes(self) -> int:
+        """What the other terms leave for the cache; negative when they alone do not fit."""
+        if self.sizing != "measured":
+            return self.reservation_bytes
+        device = self.cuda_total_bytes - self.context_bytes - self.used_bytes - self.margin_bytes
+        return device - self.utilization_cap_bytes - self.transient_bytes - self.reservation_cap_bytes
+
+    def _physical_bytes(self, num_blocks: int) -> int:
+        """Bytes a commit of `num_blocks` maps: each VMM segment rounded up to the granule."""
+        per_segment = cdiv(num_blocks * self.block_bytes, self.kv_segments)
+        return self.kv_segments * cdiv(per_segment, VMM_GRANULE_BYTES) * VMM_GRANULE_BYTES
+
+    @property
     def num_blocks(self) -> int:
-        return max(self.kv_headroom_bytes, 0) // self.block_bytes
+        headroom = max(self.kv_headroom_bytes, 0)
+        blocks = headroom // self.block_bytes
+        if self.sizing == "measured":
+            # vLLM's ExtensibleKVCache.blocks_within: the most blocks whose mapped granules fit
+            while blocks > 0 and self._physical_bytes(blocks) > headroom:
+                blocks -= 1
+        return blocks
 
     @property
     def kv_pool_bytes(self) -> int:
-        """Bytes of the KV pool: whole blocks only."""
+        """Bytes of the expected KV pool: whole blocks only."""
         return self.num_blocks * self.block_bytes
+
+    @property
+    def kv_pool_floor_bytes(self) -> int:
+        """The pool with every estimated term at its bound: a lower bound on vLLM's (kvlab.costs.budget.FLOOR)."""
+        return self.kv_pool_bytes if self.floor is None else self.floor.kv_pool_bytes
 
     @property
     def rounding_bytes(self) -> int:
@@ -284,7 +421,7 @@ class MemoryBudget:
 
     def blocks_per_sequence(self, context_len: int) -> int:
         """Blocks one sequence of `context_len` tokens holds (the last one partly empty), lookahead included."""
-        return -(-self.slots_per_sequence(context_len) // self.block_size)
+        return cdiv(self.slots_per_sequence(context_len), self.block_size)
 
     def max_sequences(self, context_len: int) -> int:
         """How many sequences of `context_len` tokens the pool holds at once, in whole blocks (a lower bound
@@ -295,41 +432,78 @@ class MemoryBudget:
         """Token slots in the pool, summed over sequences."""
         return self.num_blocks * self.block_size
 
+    def stack(self) -> list[tuple[str, int, str]]:
+        """The terms from the capacity down, as (name, bytes, where the figure comes from); with the pool they
+        sum to the capacity. Zero terms are kept, so a rule always shows the same rows."""
+        util = self.gpu_memory_utilization
+        out = [("driver reserve", self.driver_reserved_bytes, self.driver_reserved_source)]
+        measured = self.sizing == "measured"
+        if measured or self.sizing == "v0":
+            before = "charged by v0, which counts all memory outside PyTorch" if self.sizing == "v0" else ""
+            out.append(
+                ("context", self.context_bytes, f"{self.context_source}{'; ' if before else ''}{before}")
+            )
+        if not measured:
+            out.append(("engine cap", self.engine_cap_bytes, f"1 - gpu_memory_utilization ({util:g})"))
+        out += [
+            ("non-torch", self.runtime_bytes, self.runtime_source),
+            ("weights", self.weight_bytes, "parameters × bytes"),
+        ]
+        if self.speculative_tokens:
+            out.append(("draft weights", self.draft_weight_bytes, self.draft_weight_source))
+        if measured:
+            transient = self.transient_bytes
+            out += [
+                ("CUDA graphs", self.cuda_graph_bytes, self.cuda_graph_source),
+                (
+                    "margin",
+                    self.margin_bytes,
+                    f"max(1 GiB, 0.75 × the transient {format_bytes(transient)})",
+                ),
+                (
+                    "utilisation cap",
+                    self.utilization_cap_bytes,
+                    f"gpu_memory_utilization {util:g} withholds this beyond the device's own limit",
+                ),
+                (
+                    "transient peak",
+                    transient,
+                    f"kept free: activations {format_bytes(self.peak_bytes)} ({self._peak_note()}) + graph "
+                    f"estimate {format_bytes(self.cuda_graph_estimate_bytes)}",
+                ),
+            ]
+            out.append(
+                (
+                    "reservation cap",
+                    self.reservation_cap_bytes,
+                    "the address space reserved from the estimate",
+                )
+            )
+        else:
+            out.append(("activations", self.peak_bytes, self._peak_note()))
+            out.append(("CUDA graphs", self.cuda_graph_bytes, self.cuda_graph_source))
+        return out
+
     def lines(self, context_len: int | None = None) -> list[str]:
         """The budget, one term a line, each with where its figure comes from (estimate or measured)."""
 
         def row(label: str, value: int, note: str) -> str:
             return f"  {label:<22}{format_bytes(value):>11}   {note}"
 
-        util = self.gpu_memory_utilization
-        default = vllm_defaults.GPU_MEMORY_UTILIZATION
-        out = [row("capacity", self.capacity_bytes, "what the driver (NVML, nvidia-smi) reports")]
-        if self.driver_reserved_bytes:
-            out.append(row("- driver reserve", self.driver_reserved_bytes, self.driver_reserved_source))
-        out += [
-            row(
-                "- engine cap",
-                self.engine_cap_bytes,
-                f"1 - gpu_memory_utilization ({util:g}; vLLM {vllm_defaults.VLLM_VERSION}'s default is "
-                f"{default:g}); holds the CUDA context",
-            ),
-            row("- non-torch memory", self.runtime_bytes, self.runtime_source),
-            row("- weights", self.weight_bytes, "parameters × bytes"),
-        ]
-        if self.speculative_tokens:
-            out.append(row("- draft weights", self.draft_weight_bytes, self.draft_weight_source))
-        out += [
-            row("- activations", self.peak_bytes - self.encoder_cache_bytes, self._peak_note()),
-        ]
-        if self.encoder_cache_bytes:
-            out.append(row("- encoder cache", self.encoder_cache_bytes, self.encoder_cache_source))
+        out = [f"  rule: {self.vllm_note or 'vLLM'} ({_RULES[self.sizing]})"]
+        out.append(row("capacity", self.capacity_bytes, "what the driver (NVML, nvidia-smi) reports"))
+        always = ("engine cap", "non-torch", "weights", "activations", "transient peak", "margin")
+        for name, value, note in self.stack():
+            if name == "activations" and self.encoder_cache_bytes:
+                out.append(row("- activations", value - self.encoder_cache_bytes, self._peak_note()))
+                out.append(row("- encoder cache", self.encoder_cache_bytes, self.encoder_cache_source))
+            elif value or name in always:
+                out.append(row(f"- {name}", value, note))
         if self.encoder_cache_missing:
             out.append(
                 f"  not counted  vLLM's encoder cache: {self.encoder_cache_missing} (the pool is not a lower "
                 "bound here; --limit-images 0 budgets a text-only server)"
             )
-        if self.cuda_graph_bytes:
-            out.append(row("- CUDA graphs", self.cuda_graph_bytes, self.cuda_graph_source))
         if self.kv_headroom_bytes < 0:
             out.append(
                 f"  = does NOT fit: the terms above exceed the capacity by {format_bytes(-self.kv_headroom_bytes)}"
@@ -338,11 +512,20 @@ class MemoryBudget:
         out += [
             row("- block rounding", self.rounding_bytes, f"whole blocks of {self.block_size} tokens"),
             row(
-                "= KV pool",
+                "= KV pool (expected)",
                 self.kv_pool_bytes,
-                f"{self.num_blocks:,} blocks × {format_bytes(self.block_bytes)} = {self.max_tokens():,} tokens",
+                f"{self.num_blocks:,} blocks × {format_bytes(self.block_bytes)} = {self.max_tokens():,} tokens; "
+                "central estimates",
             ),
         ]
+        if self.floor is not None:
+            out.append(
+                row(
+                    "  KV pool floor",
+                    self.kv_pool_floor_bytes,
+                    f"{self.floor.num_blocks:,} blocks; every estimate at its bound (a lower bound on vLLM's)",
+                )
+            )
         if self.settings_note:
             out.append(f"  at {self.settings_note}")
         if self.speculative_tokens:
@@ -351,9 +534,12 @@ class MemoryBudget:
             extra = self.slots_per_sequence(context_len) - context_len
             capped = " (capped at max_model_len)" if extra < self.lookahead_slots else ""
             ahead = f" + {extra} speculative slots{capped}" if self.lookahead_slots else ""
+            floor = (
+                "" if self.floor is None else f"; the floor holds {self.floor.max_sequences(context_len):,}"
+            )
             out.append(
                 f"  sequences that fit    {self.max_sequences(context_len):>11,}   of {format_tokens(context_len)} "
-                f"tokens{ahead} ({self.blocks_per_sequence(context_len)} blocks each)"
+                f"tokens{ahead} ({self.blocks_per_sequence(context_len)} blocks each), in the expected pool{floor}"
             )
         return out
 
@@ -376,10 +562,22 @@ class MemoryBudget:
         return f"the {larger}'s: forward {forward} ({self.activation_source}), sampler {sampler} ({self.sampler_source})"
 
 
+_RULES = {
+    "v0": "v0: the profiled step and all memory outside PyTorch charged, no CUDA graphs",
+    "v1": "v1 estimate: the profiled step charged, no CUDA graphs",
+    "v1+graphs": "v1 estimate: the profiled step and the CUDA-graph estimate charged",
+    "measured": "measured after warmup and graph capture: the extensible KV cache",
+}
+
+
 def charge_encoder_cache(plan: MemoryBudget, images: ImageCost) -> MemoryBudget:
-    """`plan` with vLLM's encoder cache for those images charged beside the profile run's peak."""
+    """`plan` with vLLM's encoder cache for those images charged beside the profile run's peak (its floor too)."""
+    floor = None if plan.floor is None else charge_encoder_cache(plan.floor, images)
     return dataclasses.replace(
-        plan, encoder_cache_bytes=images.encoder_cache_bytes, encoder_cache_source=images.encoder_cache_note
+        plan,
+        encoder_cache_bytes=images.encoder_cache_bytes,
+        encoder_cache_source=images.encoder_cache_note,
+        floor=floor,
     )
 
 
@@ -412,7 +610,7 @@ def activation_workspace_bytes(
     if width is None:
         raise ValueError(f"{spec.name}: the config sets no intermediate_size to size the MLP's activations")
     check_count("tp", tp)
-    mlp = 2 * hidden + 4 * -(-width * experts // tp)
+    mlp = 2 * hidden + 4 * cdiv(width * experts, tp)
     q = spec.num_attention_heads * spec.head_dim // tp
     kv = max(
         layer.expanded_elements_per_token * max(1, layer.cache_heads // tp) // max(1, layer.cache_heads)
@@ -430,26 +628,38 @@ def memory_budget(
     *,
     kv_dtype: str = "bf16",
     weight_dtype: str | int = "bf16",
-    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+    gpu_memory_utilization: float | None = None,
     runtime_bytes: int | None = None,
     activation_bytes: int | None = None,
     driver_reserved_bytes: int | None = None,
     max_num_batched_tokens: int | None = None,
     max_num_seqs: int | None = None,
-    block_size: int = BLOCK_SIZE,
+    block_size: int | None = None,
     tp: int = 1,
     pp: int = 1,
     usage_context: str = vllm_defaults.USAGE_CONTEXT,
-    enable_chunked_prefill: bool = vllm_defaults.ENABLE_CHUNKED_PREFILL,
+    enable_chunked_prefill: bool | None = None,
     max_model_len: int | None = None,
     enforce_eager: bool = False,
-    estimate_cuda_graphs: bool = vllm_defaults.ESTIMATE_CUDA_GRAPHS,
+    estimate_cuda_graphs: bool | None = None,
     speculative: int = 0,
     draft: PretrainedConfig | str | None = None,
     draft_layers: int = 0,
     limit_images: int | None = None,
+    vllm_version: str | None = None,
+    extensible_kv_cache: bool | None = None,
+    context_bytes: int | None = None,
+    estimates: Estimates = CENTRAL,
+    with_floor: bool = True,
 ) -> MemoryBudget:
-    """The budget of serving `config` on `gpu` (a spec-table name or entry) as vLLM 0.33.0 sizes it.
+    """The budget of serving `config` on `gpu` (a spec-table name or entry) as `vllm_version` sizes it (a release
+    or "v0"/"v1", `kvlab.specs.vllm_defaults.resolve`; the current release when None), with its `floor`.
+
+    Settings left None are that release's defaults: the utilisation (0.34: 1.0 with the extensible cache, 0.92
+    without), the block size, chunked prefill (v0: on only above 32k tokens), the CUDA-graph charge and
+    `extensible_kv_cache` (0.34's switch; False is its estimate-rule fallback). `estimates` are the terms of the
+    expected pool (`CENTRAL`); the floor always takes `FLOOR`. `context_bytes` replaces the estimate of memory in
+    use before vLLM's snapshot (charged by the measured rule and v0). `with_floor=False` skips the floor.
 
     `max_num_batched_tokens` and `max_num_seqs` left None are vLLM's defaults for this GPU and `usage_context`
     ("serve" or "llm", `kvlab.specs.vllm_defaults.batch_defaults`); with `enable_chunked_prefill=False` the token
@@ -460,8 +670,8 @@ def memory_budget(
     (`kvlab.specs.sizing.kv_bytes_per_token(..., tp, pp)`, heads copied past the KV-head count) and an activation
     estimate whose head and MLP widths are split `tp` ways. The block and sequence counts are then the whole
     deployment's: every GPU of a stage holds the same blocks. `enforce_eager` captures no CUDA graphs;
-    `estimate_cuda_graphs=False` is `VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0` (and vLLM before 0.21, or v0):
-    the graphs are captured but not charged to the pool.
+    `estimate_cuda_graphs=False` is `VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0` (the default before 0.20, and
+    v0): the graphs are captured but not charged to the pool.
 
     `speculative=K` with a `draft` model (a registry name, id or config) or `draft_layers` (an EAGLE-style head
     of that many layers of the target's attention shape): the drafter's weights and cache layers and the 2K
@@ -472,6 +682,68 @@ def memory_budget(
     peak, as vLLM reserves it, unless `limit_images=0` (vLLM's `--limit-mm-per-prompt '{"image": 0}'`, a
     text-only server). Where kvlab has no image rule for the model, the budget says so in a "not counted" line.
     """
+    chosen = vllm_defaults.resolve(vllm_version)
+    kwargs = dict(
+        kv_dtype=kv_dtype,
+        weight_dtype=weight_dtype,
+        gpu_memory_utilization=gpu_memory_utilization,
+        runtime_bytes=runtime_bytes,
+        activation_bytes=activation_bytes,
+        driver_reserved_bytes=driver_reserved_bytes,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        block_size=block_size,
+        tp=tp,
+        pp=pp,
+        usage_context=usage_context,
+        enable_chunked_prefill=enable_chunked_prefill,
+        max_model_len=max_model_len,
+        enforce_eager=enforce_eager,
+        estimate_cuda_graphs=estimate_cuda_graphs,
+        speculative=speculative,
+        draft=draft,
+        draft_layers=draft_layers,
+        limit_images=limit_images,
+        extensible_kv_cache=extensible_kv_cache,
+        context_bytes=context_bytes,
+    )
+    expected = _budget(config, gpu, chosen, estimates, **kwargs)  # type: ignore[arg-type]
+    if not with_floor:
+        return expected
+    floor = _budget(config, gpu, chosen, FLOOR, **kwargs)  # type: ignore[arg-type]
+    return dataclasses.replace(expected, floor=floor)
+
+
+def _budget(
+    config: PretrainedConfig | str,
+    gpu: str | hardware.Accelerator,
+    chosen: vllm_defaults.ResolvedRelease,
+    estimates: Estimates,
+    *,
+    kv_dtype: str,
+    weight_dtype: str | int,
+    gpu_memory_utilization: float | None,
+    runtime_bytes: int | None,
+    activation_bytes: int | None,
+    driver_reserved_bytes: int | None,
+    max_num_batched_tokens: int | None,
+    max_num_seqs: int | None,
+    block_size: int | None,
+    tp: int,
+    pp: int,
+    usage_context: str,
+    enable_chunked_prefill: bool | None,
+    max_model_len: int | None,
+    enforce_eager: bool,
+    estimate_cuda_graphs: bool | None,
+    speculative: int,
+    draft: PretrainedConfig | str | None,
+    draft_layers: int,
+    limit_images: int | None,
+    extensible_kv_cache: bool | None,
+    context_bytes: int | None,
+) -> MemoryBudget:
+    """One budget of `memory_budget`, every estimated term from `estimates`."""
     from kvlab.specs import arch, images
     from kvlab.specs.sizing import (
         draft_kv_bytes_per_token,
@@ -492,6 +764,18 @@ def memory_budget(
     # blocks only, so a state model's sequence count would be silently wrong.
     refuse_state(shape(config).spec, "kvlab's vLLM memory budget")
     spec_decode = speculation(config, speculative, draft, draft_layers, tp, pp)
+    rule = chosen.release
+    sizing = _sizing(chosen, extensible_kv_cache)
+    if enable_chunked_prefill is None:
+        enable_chunked_prefill = rule.chunked_prefill(max_model_len or shape(config).max_context)
+    if estimate_cuda_graphs is None:
+        estimate_cuda_graphs = rule.estimate_cuda_graphs
+    if gpu_memory_utilization is None:
+        extensible = sizing == "measured"
+        gpu_memory_utilization = (
+            rule.gpu_memory_utilization if extensible else rule.estimate_gpu_memory_utilization
+        )
+    block_size = rule.block_size if block_size is None else block_size
     if max_model_len is None and not enable_chunked_prefill:
         max_model_len = shape(config).max_context
     batch = vllm_defaults.batch_defaults(
@@ -500,6 +784,7 @@ def memory_budget(
         usage_context,
         enable_chunked_prefill=enable_chunked_prefill,
         max_model_len=max_model_len,
+        release=rule,
     )
     tokens = batch.max_num_batched_tokens if max_num_batched_tokens is None else max_num_batched_tokens
     seqs = batch.max_num_seqs if max_num_seqs is None else max_num_seqs
@@ -509,23 +794,29 @@ def memory_budget(
     act_dtype = weight_dtype if isinstance(weight_dtype, str) else "bf16"  # quantized weights compute in bf16
     where = "chosen" if max_num_batched_tokens is None else "given"
     if activation_bytes is None:
-        forward = forward_peak_bytes(config, tokens, act_dtype, tp=tp)
-        sampler = sampler_peak_bytes(config, rows)
+        forward = forward_peak_bytes(config, tokens, act_dtype, tp=tp, estimates=estimates)
+        sampler = sampler_peak_bytes(config, rows, estimates, _version_of(chosen))
         forward_source = f"estimate, {tokens:,} batched tokens"
         sampler_source = f"estimate, {rows:,} rows of logits"
     else:
         forward, sampler = activation_bytes, 0
         forward_source, sampler_source = "measured (profiled forward and sampler)", "none counted"
-    graphs = (
-        0
-        if enforce_eager or not estimate_cuda_graphs
-        else cuda_graph_bytes(config, seqs, tokens, act_dtype, tp=tp)
+    captured = (
+        0 if enforce_eager else cuda_graph_bytes(config, seqs, tokens, act_dtype, tp=tp, estimates=estimates)
+    )
+    estimated = captured if estimate_cuda_graphs else 0
+    # the estimate rules charge the estimate; the measured one keeps the captured pool and the estimate free
+    graphs, graph_estimate = (captured, estimated) if sizing == "measured" else (estimated, 0)
+    graph_source = (
+        f"estimate, {len(cuda_graph_sizes(seqs, tokens))} capture sizes (measured: vLLM's log)"
+        if sizing != "measured"
+        else f"captured pool, estimate over {len(cuda_graph_sizes(seqs, tokens))} sizes (vLLM's 'CUDA graph pool memory')"
     )
     target_kv = kv_bytes_per_token(config, kv_dtype, tp=tp, pp=pp)
     plain = MemoryBudget(
         capacity_bytes=spec.memory_bytes,
         gpu_memory_utilization=gpu_memory_utilization,
-        runtime_bytes=non_torch_bytes(tp) if runtime_bytes is None else runtime_bytes,
+        runtime_bytes=estimates.non_torch(tp) if runtime_bytes is None else runtime_bytes,
         weight_bytes=weight_bytes_per_gpu(config, weight_dtype, tp=tp, pp=pp),
         activation_bytes=forward,
         block_size=block_size,
@@ -536,7 +827,7 @@ def memory_budget(
             else "measured (vLLM's non_torch_memory)"
         ),
         activation_source=forward_source,
-        driver_reserved_bytes=DRIVER_RESERVED_BYTES
+        driver_reserved_bytes=estimates.driver_reserved_bytes
         if driver_reserved_bytes is None
         else driver_reserved_bytes,
         driver_reserved_source=(
@@ -547,7 +838,17 @@ def memory_budget(
         sampler_bytes=sampler,
         sampler_source=sampler_source,
         cuda_graph_bytes=graphs,
-        cuda_graph_source=f"estimate, {len(cuda_graph_sizes(seqs, tokens))} capture sizes (measured: vLLM's log)",
+        cuda_graph_source=graph_source,
+        cuda_graph_estimate_bytes=graph_estimate,
+        sizing=sizing,
+        vllm_note=chosen.note + ("" if sizing == rule.sizing else ", extensible KV cache off"),
+        context_bytes=estimates.context(tp) if context_bytes is None else context_bytes,
+        context_source=(
+            f"estimate at TP={tp}: CUDA context, cuBLAS{', NCCL' if tp > 1 else ''} before vLLM's snapshot"
+            if context_bytes is None
+            else "measured: CUDA's total less its free memory at start-up"
+        ),
+        kv_segments=max(cdiv(len(shape(config).spec.layers), pp), 1),
         settings_note=(
             f"max_num_batched_tokens {tokens:,} ({where}), max_num_seqs {seqs:,}"
             + (
@@ -593,25 +894,49 @@ def memory_budget(
     )
 
 
+def _version_of(chosen: vllm_defaults.ResolvedRelease) -> tuple[int, ...]:
+    """The release a budget was asked for: its number, or its family's rule's."""
+    try:
+        return vllm_defaults.version_tuple(chosen.asked)
+    except ValueError:
+        return vllm_defaults.version_tuple(chosen.release.version)
+
+
+def _sizing(chosen: vllm_defaults.ResolvedRelease, extensible_kv_cache: bool | None) -> str:
+    """The rule a budget applies: the release's, or 0.34's estimate fallback with the extensible cache off."""
+    rule = chosen.release
+    if extensible_kv_cache is None or extensible_kv_cache == rule.extensible_kv_cache:
+        return rule.sizing
+    if extensible_kv_cache:
+        raise ValueError(f"{chosen.note} has no extensible KV cache (vLLM 0.34.0 and later)")
+    return "v1+graphs"
+
+
 @dataclass(frozen=True)
 class BudgetSettings:
     """The engine settings a memory budget depends on, vLLM's names and defaults (`kvlab.specs.vllm_defaults`): what
     `kvlab size --gpu`, `kvlab.planning.plan` and `kvlab.planning.diagnose` size the pool with, each keyword of `memory_budget`
-    once. `max_num_batched_tokens` and `max_num_seqs` left None are vLLM's choice for the GPU (`resolved`)."""
+    once. `max_num_batched_tokens` and `max_num_seqs` left None are vLLM's choice for the GPU (`resolved`).
+
+    `vllm_version` (a release or "v0"/"v1") picks the rule; the utilisation, block size, CUDA-graph charge,
+    extensible cache and (v1, or v0 with `max_model_len`) chunked prefill left None become that release's defaults
+    on construction, so `dataclasses.replace(s, vllm_version=...)` keeps the first release's: build anew."""
 
     kv_dtype: str = "bf16"
     weight_dtype: str | int = "bf16"
-    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
+    gpu_memory_utilization: float = None  # type: ignore[assignment]  # None: the release's default
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
-    block_size: int = BLOCK_SIZE
+    block_size: int = None  # type: ignore[assignment]  # None: the release's default
     tp: int = 1
     pp: int = 1
     usage_context: str = vllm_defaults.USAGE_CONTEXT
-    enable_chunked_prefill: bool = vllm_defaults.ENABLE_CHUNKED_PREFILL
+    enable_chunked_prefill: bool | None = None  # None: the release's rule (v0: on only above 32k tokens)
     max_model_len: int | None = None
     enforce_eager: bool = False
-    estimate_cuda_graphs: bool = vllm_defaults.ESTIMATE_CUDA_GRAPHS
+    estimate_cuda_graphs: bool = None  # type: ignore[assignment]  # None: the release's default
+    vllm_version: str = vllm_defaults.VLLM_VERSION
+    extensible_kv_cache: bool = None  # type: ignore[assignment]  # None: the release's default (0.34: on)
     speculative: int = 0  # K speculative tokens; 0 is off
     draft: str | None = None  # the draft model (vLLM's method "draft_model")
     draft_layers: int = 0  # or an EAGLE-style head of this many layers of the target's shape
@@ -619,6 +944,22 @@ class BudgetSettings:
     limit_images: int | None = None
 
     def __post_init__(self) -> None:
+        chosen = vllm_defaults.resolve(self.vllm_version)
+        rule = chosen.release
+        extensible = _sizing(chosen, self.extensible_kv_cache) == "measured"
+        resolved = {
+            "extensible_kv_cache": extensible,
+            "block_size": rule.block_size,
+            "estimate_cuda_graphs": rule.estimate_cuda_graphs,
+            "gpu_memory_utilization": rule.gpu_memory_utilization
+            if extensible
+            else rule.estimate_gpu_memory_utilization,
+        }
+        if rule.engine == "v1" or self.max_model_len is not None:
+            resolved["enable_chunked_prefill"] = rule.chunked_prefill(self.max_model_len)
+        for name, value in resolved.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         for name in ("block_size", "tp", "pp"):
             check_count(name, getattr(self, name))
         for name in ("speculative", "draft_layers"):
@@ -652,15 +993,24 @@ class BudgetSettings:
         """(max_num_batched_tokens, max_num_seqs) at these settings on `gpu`: the given ones, else vLLM's
         choice (the model's `max_model_len` is needed, through `config`, when chunked prefill is off)."""
         spec = hardware.get(gpu) if isinstance(gpu, str) else gpu
+        rule = vllm_defaults.resolve(self.vllm_version).release
         max_model_len = self.max_model_len
-        if max_model_len is None and not self.enable_chunked_prefill and config is not None:
+        if max_model_len is None and config is not None:
             max_model_len = shape(config).max_context
+        chunked = self.enable_chunked_prefill
+        if chunked is None:
+            chunked = rule.chunked_prefill(max_model_len)
+        if not chunked and max_model_len is None:
+            raise ValueError(
+                "with chunked prefill off, vLLM's token budget depends on max_model_len: pass it"
+            )
         batch = vllm_defaults.batch_defaults(
             spec.memory_bytes,
             spec.name,
             self.usage_context,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            max_model_len=max_model_len,
+            enable_chunked_prefill=chunked,
+            max_model_len=max_model_len if not chunked else self.max_model_len,
+            release=rule,
         )
         return (
             self.max_num_batched_tokens or batch.max_num_batched_tokens,

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 
 from kvlab.costs import budget
-from kvlab.planning.vllm_log import DEFAULT_BLOCK_SIZE, StartupLog
+from kvlab.planning.vllm_log import DEFAULT_BLOCK_SIZE, Printed, StartupLog
 from kvlab.specs import arch, hardware, vllm_defaults
 from kvlab.specs.shape import shape
 from kvlab.units import dtype_bytes, format_bytes
@@ -119,15 +119,24 @@ def _run_dtype(log: StartupLog, sized: str) -> str:
     return _RUN_DTYPES[name]
 
 
-def settings(log: StartupLog, sized: str) -> budget.BudgetSettings:
+def log_version(log: StartupLog, asked: str | None = None) -> str:
+    """The vLLM version the log is sized by: `asked`, else the release it prints (v0 format: the v0 engine
+    unless the release is older than the V1 engine), else its engine family."""
+    if asked is not None:
+        return asked
+    if log.format == "v0":
+        return "v0"
+    if log.vllm_version and _version(log.vllm_version) is not None:
+        return log.vllm_version
+    return "v1"
+
+
+def settings(log: StartupLog, sized: str, version: str | None = None) -> budget.BudgetSettings:
     """The `kvlab size --gpu` settings of the server that wrote `log`: what it printed, else the defaults of
-    its era (v0's utilisation and chunked-prefill rule; no CUDA-graph charge before 0.21) and vLLM 0.33.0's."""
+    its release (`log_version`; `kvlab.specs.vllm_defaults.resolve`)."""
     v0 = log.format == "v0"
-    version = _version(log.vllm_version)
     run = _run_dtype(log, sized)
-    utilization = log.gpu_memory_utilization or (
-        vllm_defaults.V0_GPU_MEMORY_UTILIZATION if v0 else budget.GPU_MEMORY_UTILIZATION
-    )
+    utilization = log.gpu_memory_utilization
     # vLLM prints max_model_len in the concurrency line too ("Maximum concurrency for N tokens per request")
     longest = log.max_seq_len or log.max_concurrency_tokens
     chunked = True
@@ -140,15 +149,15 @@ def settings(log: StartupLog, sized: str) -> budget.BudgetSettings:
     return budget.BudgetSettings(
         kv_dtype=kv_dtype(log) or run,
         weight_dtype=run,
-        gpu_memory_utilization=utilization,
+        gpu_memory_utilization=utilization,  # type: ignore[arg-type]  # None: the release's default
         max_num_batched_tokens=log.max_num_batched_tokens,
-        block_size=log.block_size or DEFAULT_BLOCK_SIZE,
+        block_size=log.block_size,  # type: ignore[arg-type]
         tp=log.tensor_parallel_size or 1,
         enable_chunked_prefill=chunked,
         max_model_len=longest,
         enforce_eager=bool(log.enforce_eager),
-        estimate_cuda_graphs=not v0
-        and (version is None or version >= vllm_defaults.ESTIMATE_CUDA_GRAPHS_SINCE),
+        vllm_version=log_version(log, version),
+        extensible_kv_cache=False if log.extensible_disabled else None,  # type: ignore[arg-type]
     )
 
 
@@ -162,14 +171,16 @@ class Estimate:
     max_num_seqs: int
 
 
-def estimate(log: StartupLog, sized: str, total_bytes: int | None = None) -> Estimate:
+def estimate(
+    log: StartupLog, sized: str, total_bytes: int | None = None, version: str | None = None
+) -> Estimate:
     """kvlab's budget for the server that wrote `log`, by `kvlab size --gpu`'s arithmetic (`memory_budget`).
 
     The capacity is the log's printed total (CUDA's, so no driver reserve is estimated), else `total_bytes`
     (NVML's, as nvidia-smi prints it). With neither, the capacity is unknown: the budget is that of a nominal
     one-byte GPU, whose terms other than the capacity and the KV memory are still the estimates (at vLLM's
     batch defaults for a GPU below 70 GiB unless the log prints its token budget)."""
-    s = settings(log, sized)
+    s = settings(log, sized, version)
     printed = log.total_gpu_memory.bytes if log.total_gpu_memory else None
     capacity = printed or total_bytes or 1
     gpu = hardware.Accelerator(
@@ -180,9 +191,11 @@ def estimate(log: StartupLog, sized: str, total_bytes: int | None = None) -> Est
     return Estimate(mb, s, *s.batch_limits(gpu, sized))
 
 
-def explain(log: StartupLog, model: str | None = None, total_bytes: int | None = None) -> str:
-    """The report `kvlab explain-vllm` prints. `model` and `total_bytes` (NVML's total, as nvidia-smi prints
-    it) fill what the log does not say."""
+def explain(
+    log: StartupLog, model: str | None = None, total_bytes: int | None = None, version: str | None = None
+) -> str:
+    """The report `kvlab explain-vllm` prints. `model`, `total_bytes` (NVML's total, as nvidia-smi prints it)
+    and `version` (the vLLM release) fill what the log does not say."""
     name = model or log.model
     sized = registry_name(name)
     tp = log.tensor_parallel_size or 1
@@ -214,7 +227,7 @@ def explain(log: StartupLog, model: str | None = None, total_bytes: int | None =
         from kvlab.specs.sizing import kv_bytes_per_token
 
         per_token = kv_bytes_per_token(sized, dtype, tp=tp)
-        found = estimate(log, sized, total_bytes)
+        found = estimate(log, sized, total_bytes, version)
         mb, s, batched, seqs = found.memory, found.settings, found.max_num_batched_tokens, found.max_num_seqs
 
     def printed(value: object) -> int | None:
@@ -299,12 +312,27 @@ def explain(log: StartupLog, model: str | None = None, total_bytes: int | None =
         Term(
             "available KV memory",
             printed(log.available_kv),
-            mb.kv_headroom_bytes if known and mb else None,
-            "kvlab: GPU memory less the terms above (kvlab size --gpu's arithmetic)"
+            (mb.reservation_bytes if mb.sizing == "measured" else mb.kv_headroom_bytes)
+            if known and mb
+            else None,
+            (
+                "0.34: only the address space reserved; the pool is measured after warmup (below)"
+                if mb is not None and mb.sizing == "measured"
+                else "kvlab: GPU memory less the terms above (kvlab size --gpu's arithmetic)"
+            )
             if known
             else "kvlab: needs the GPU's total (pass --gpu-memory-gib)",
         ),
     ]
+    if log.measured or (mb is not None and mb.sizing == "measured"):
+        terms.append(
+            Term(
+                "measured KV pool",
+                printed(log.extended_kv or log.measured_kv),
+                mb.kv_pool_bytes if known and mb else None,
+                "'Extended KV cache to N blocks'; kvlab: the measured rule (kvlab.costs.budget)",
+            )
+        )
     if mb is None:
         # with no model to size, kvlab has no figure of its own beyond the GPU's terms
         terms = [
@@ -318,8 +346,11 @@ def explain(log: StartupLog, model: str | None = None, total_bytes: int | None =
     if mb is not None:
         unknown = "" if known else "; the GPU's memory unknown, so vLLM's batch defaults below 70 GiB"
         out.append(f"  kvlab's estimates assume {mb.settings_note}{unknown}")
+    if mb is not None:
+        block = log.block_size or mb.block_size
+    out += measured_lines(log, mb, s.vllm_version if s else log_version(log, version))
     printed_tokens = log.tokens
-    if per_token is not None and log.available_kv is not None:
+    if per_token is not None and log.available_kv is not None and not log.measured:
         recomputed = tokens_from_memory(log.available_kv.bytes, per_token, block)
         out.append(
             f"  KV tokens: vLLM {printed_tokens if printed_tokens is None else f'{printed_tokens:,}'}; kvlab "
@@ -333,6 +364,90 @@ def explain(log: StartupLog, model: str | None = None, total_bytes: int | None =
         out += _concurrency(log, sized, dtype, tp, batched)
     out.append(_lever(terms, log))
     return "\n".join(out)
+
+
+def _gib(value: Printed | None) -> str:
+    return "—" if value is None else f"{value.bytes / 2**30:.2f} GiB"
+
+
+def measured_lines(log: StartupLog, mb: budget.MemoryBudget | None, version: str) -> list[str]:
+    """vLLM 0.34's measured pool term by term, from the "Memory after warmup" line; or one line naming what a
+    0.34 log lacks, or what a log mixes."""
+    rule = vllm_defaults.resolve(version).release
+    newer = rule.sizing == "measured"
+    old_lines = list(log.v0_lines)
+    new_lines = [
+        name
+        for name, value in (
+            ("Memory after warmup", log.warmup_free),
+            ("Extended KV cache", log.extended_blocks),
+        )
+        if value is not None
+    ]
+    if old_lines and new_lines:
+        return [
+            f"  mixed versions: v0 lines ({', '.join(old_lines)}) beside vLLM 0.34's ({', '.join(new_lines)}); "
+            "explain one server's log at a time"
+        ]
+    if new_lines and not newer:
+        return [
+            f"  mixed versions: vLLM 0.34's lines ({', '.join(new_lines)}) in a log of vLLM {version}; pass "
+            "--vllm-version 0.34 or split the log"
+        ]
+    if log.extensible_disabled:
+        return [
+            f"  vLLM disabled its extensible KV cache ({log.extensible_disabled}): the estimate rule sized this "
+            "pool at gpu_memory_utilization 0.92 unless set"
+        ]
+    if not newer:
+        return []
+    missing = [
+        line
+        for line, value in (
+            ("'Memory after warmup: ...'", log.warmup_free),
+            ("'Extended KV cache to N blocks'", log.extended_blocks),
+        )
+        if value is None
+    ]
+    if log.warmup_free is None:
+        return [
+            f"  vLLM 0.34 sizes the cache after warmup, but the log lacks {' and '.join(missing)}: "
+            "'Available KV cache memory' is only the reservation, not the pool"
+        ]
+    free, committed = log.warmup_free, log.warmup_committed
+    peak, growth, kept = log.transient_peak, log.torch_growth, log.transient_kept
+    assert committed is not None and peak is not None and growth is not None and kept is not None
+    headroom = free.bytes + committed.bytes
+    margin = max(budget.KV_CACHE_MARGIN_FLOOR_BYTES, int(peak.bytes * budget.KV_CACHE_MARGIN_FRACTION))
+    out = [
+        "  vLLM 0.34's measured pool (vllm/v1/worker/extensible_kv_cache.py, measure_kv_cache_bytes):",
+        f"    requested budget     {_gib(log.requested)}   total × gpu_memory_utilization "
+        f"({log.gpu_memory_utilization or 'unset: 1.0'})",
+        f"    headroom             {headroom / 2**30:.2f} GiB   free after warmup {_gib(free)} + committed "
+        f"{_gib(committed)}",
+        f"    - margin             {margin / 2**30:.2f} GiB   max(1 GiB, 0.75 × the peak {_gib(peak)})",
+        f"    - transient kept     {_gib(kept)}   max(allocated peak {_gib(peak)}, torch growth {_gib(growth)})",
+    ]
+    device = headroom - margin - kept.bytes
+    if log.startup_free is not None and log.requested is not None:
+        used = log.startup_free.bytes - free.bytes - committed.bytes
+        budget_side = log.requested.bytes - used - kept.bytes
+        out.append(
+            f"    used outside cache   {used / 2**30:.2f} GiB   free at start-up {_gib(log.startup_free)} less free "
+            f"and committed after warmup; the budget leaves {budget_side / 2**30:.2f} GiB"
+        )
+        device = min(device, budget_side)
+    out.append(
+        f"    = KV                 {device / 2**30:.2f} GiB   vLLM: {log.measured_blocks:,} blocks "
+        f"({_gib(log.measured_kv)}), extended to {log.extended_blocks or 'not printed'}"
+        + (f" after remapping from {log.remapped_from_blocks:,}" if log.remapped_from_blocks else "")
+    )
+    if mb is not None and mb.sizing == "measured":
+        out.append(
+            f"    kvlab's transient {format_bytes(mb.transient_bytes)} (activations + graph estimate) and margin "
+            f"{format_bytes(mb.margin_bytes)}"
+        )
+    return out
 
 
 def _graph_note(s: budget.BudgetSettings | None) -> str:
@@ -438,13 +553,27 @@ def _lever(terms: list[Term], log: StartupLog) -> str:
         if (log.kv_cache_dtype or "auto").startswith("fp8")
         else "; --kv-cache-dtype fp8 doubles the tokens per byte"
     )
+    if log.withheld is not None:
+        util = log.gpu_memory_utilization
+        return (
+            f"  lever: leave gpu_memory_utilization unset: {util if util is not None else 'a value under 1.0'} "
+            f"withholds {log.withheld.bytes / 2**30:.2f} GiB from vLLM 0.34's measured cache, which needs no "
+            f"headroom of its own{fp8}"
+        )
+    if log.transient_kept is not None and known and log.transient_kept.bytes >= max(known.values()):
+        return (
+            f"  lever: a smaller --max-num-batched-tokens or --max-num-seqs: vLLM 0.34 keeps the transient peak "
+            f"({log.transient_kept.bytes / 2**30:.2f} GiB) and a margin of at least 1 GiB free{fp8}"
+        )
     if not known:
         return f"  lever: the log prints no term besides the KV pool{fp8}"
     largest = max(known, key=lambda k: known[k] or 0)
     return f"  lever: {_LEVERS[largest]}{fp8}"
 
 
-def main(path: str, model: str | None = None, total_bytes: int | None = None) -> str:
+def main(
+    path: str, model: str | None = None, total_bytes: int | None = None, version: str | None = None
+) -> str:
     """Read `path` and explain it; a ValueError (one line) when the file is not a vLLM start-up log."""
     from kvlab.planning import vllm_log
 
@@ -453,4 +582,4 @@ def main(path: str, model: str | None = None, total_bytes: int | None = None) ->
             text = handle.read()
     except OSError as err:
         raise ValueError(f"cannot read {path}: {err.strerror}") from None
-    return explain(vllm_log.parse(text), model, total_bytes)
+    return explain(vllm_log.parse(text), model, total_bytes, version)

@@ -19,6 +19,14 @@ wtdcode/vllm-backport#34). It gives the total, the utilisation, weights and non-
 activation peak, the graphs' actual memory and the pool; with "Model loading took" beside it, non-torch memory is
 the difference (`StartupLog.non_torch_memory`).
 
+vLLM 0.34.0's extensible KV cache (vllm/v1/worker/extensible_kv_cache.py) adds "Memory after warmup: F GiB free, C GiB
+committed to the KV cache, T GiB kept for transient activations (P GiB allocated at peak, G GiB of torch reservation
+growth); N KV cache blocks (S GiB) fit within the requested R GiB. Torch may reserve up to L GiB.", "Extended KV cache
+to N blocks (X GiB).", "Remapping the KV cache from A to B blocks ...", a warning when "gpu_memory_utilization=U caps
+this instance at R GiB, keeping W GiB of free device memory out of the KV cache", and "Disabling the extensible KV
+cache: reason" (vllm/v1/executor/abstract.py); "Available KV cache memory" is then only the reservation. 0.33 and 0.34
+print "CUDA graph pool memory: A GiB (actual), E GiB (estimated)" (vllm/v1/worker/gpu_worker.py).
+
 Both families print sizes in units of 2**30 bytes, even where the word is "GB" (vLLM divides by `GiB_bytes`), so
 both convert with 2**30. Published logs are kept in tests/data/vllm_logs/ with their sources. Used by
 `kvlab explain-vllm` (`kvlab.planning.explain_vllm`).
@@ -75,6 +83,29 @@ class StartupLog:
     # A hybrid model's page alignment: "Setting attention block size to N tokens", "Padding mamba page size by X%"
     hybrid_block_size: int | None = None
     state_padding_percent: float | None = None
+    # vLLM 0.34's measured sizing (the "Memory after warmup" line and the ones after it)
+    warmup_free: Printed | None = None
+    warmup_committed: Printed | None = None
+    transient_kept: Printed | None = None
+    transient_peak: Printed | None = None
+    torch_growth: Printed | None = None
+    measured_blocks: int | None = None
+    measured_kv: Printed | None = None
+    requested: Printed | None = None
+    extended_blocks: int | None = None
+    extended_kv: Printed | None = None
+    remapped_from_blocks: int | None = None
+    withheld: Printed | None = None  # what a utilisation just under 1.0 keeps out of the cache
+    extensible_disabled: str | None = None  # why vLLM fell back to the estimate rule
+    graph_actual: Printed | None = None  # "CUDA graph pool memory: A GiB (actual)"
+    graph_estimated: Printed | None = None
+    startup_free: Printed | None = None  # the one-line ledger's "Free memory on device (F/T GiB) on startup"
+    v0_lines: tuple[str, ...] = ()  # the v0 engine's memory lines the log holds (a mixed log has 0.34's too)
+
+    @property
+    def measured(self) -> bool:
+        """Whether the log shows 0.34's measured sizing (any of its lines)."""
+        return self.warmup_free is not None or self.extended_blocks is not None
 
     @property
     def non_torch_memory(self) -> Printed | None:
@@ -97,7 +128,8 @@ class StartupLog:
         return None
 
     def printed_bytes(self) -> dict[str, int | float | None]:
-        """The printed numbers in tests/data/vllm_logs/index.json's `printed` layout."""
+        """The printed numbers in tests/data/vllm_logs/index.json's `printed` layout; a 0.34 log adds
+        `extended_kv_bytes`, its measured pool."""
 
         def size(value: Printed | None) -> int | None:
             return None if value is None else value.bytes
@@ -113,7 +145,7 @@ class StartupLog:
             "num_gpu_blocks": self.num_gpu_blocks,
             "max_concurrency": self.max_concurrency,
             "max_concurrency_tokens": self.max_concurrency_tokens,
-        }
+        } | ({} if not self.measured else {"extended_kv_bytes": size(self.extended_kv or self.measured_kv)})
 
 
 def _size(text: str, *patterns: str) -> Printed | None:
@@ -153,7 +185,7 @@ def parse(text: str) -> StartupLog:
     )
     tokens = _int(text, rf"GPU KV cache size: {_NUMBER} tokens")
     blocks = _int(text, r"(?:GPU|CUDA) blocks: (\d+)", r"num_gpu_blocks is: (\d+)")
-    if available is None and tokens is None and blocks is None:
+    if available is None and tokens is None and blocks is None and "Extended KV cache to" not in text:
         raise ValueError(
             "not a vLLM start-up log: found none of 'Available KV cache memory', "
             "'GPU KV cache size', '# GPU blocks', 'Current kv cache memory in use'"
@@ -178,6 +210,18 @@ def parse(text: str) -> StartupLog:
         or _word(text, r"Desired GPU memory utilization is \((\d+(?:\.\d+)?),")
     )
     padding = _word(text, r"Padding mamba page size by (\d+(?:\.\d+)?)%")
+    g = r"(-?[\d.]+) ?(GiB)"
+    warmup = re.search(
+        rf"Memory after warmup: {g} free, {g} committed to the KV cache, {g} kept for transient activations "
+        rf"\({g} allocated at peak, {g} of torch reservation growth\); (\d+) KV cache blocks \({g}\) fit "
+        rf"within the requested {g}",
+        text,
+    )
+
+    def part(index: int) -> Printed | None:
+        return None if warmup is None else _size(f"{warmup.group(index)} GiB", rf"{g}")
+
+    disabled = _word(text, r"Disabling the extensible KV cache: (.+?)\. The KV cache will be sized")
     return StartupLog(
         format="v1" if any(marker in text for marker in v1_markers) else "v0",
         vllm_version=_word(text, r"LLM engine \(v([^)\s]+)\)") or _word(text, r"API server version (\S+)"),
@@ -223,4 +267,27 @@ def parse(text: str) -> StartupLog:
         ),
         hybrid_block_size=_int(text, r"Setting attention block size to (\d+) tokens"),
         state_padding_percent=None if padding is None else float(padding),
+        warmup_free=part(1),
+        warmup_committed=part(3),
+        transient_kept=part(5),
+        transient_peak=part(7),
+        torch_growth=part(9),
+        measured_blocks=None if warmup is None else int(warmup.group(11)),
+        measured_kv=part(12),
+        requested=part(14),
+        extended_blocks=_int(text, r"Extended KV cache to (\d+) blocks"),
+        extended_kv=_size(text, rf"Extended KV cache to \d+ blocks \({_NUMBER} ?(GiB)\)"),
+        remapped_from_blocks=_int(text, r"Remapping the KV cache from (\d+) to \d+ blocks"),
+        withheld=_size(text, rf"GiB, keeping {_NUMBER} ?(GiB) of free device memory out of the KV cache"),
+        extensible_disabled=disabled,
+        graph_actual=_size(text, rf"CUDA graph pool memory: {_NUMBER} ?(GiB) \(actual\)"),
+        graph_estimated=_size(
+            text, rf"CUDA graph pool memory: [\d.]+ ?GiB \(actual\), {_NUMBER} ?(GiB) \(estimated\)"
+        ),
+        startup_free=_size(text, rf"Free memory on device \({_NUMBER} ?/[\d.]+ ?(GiB)\)"),
+        v0_lines=tuple(
+            marker
+            for marker in ("Memory profiling results", "the current vLLM instance can use", "# GPU blocks")
+            if marker in text
+        ),
     )

@@ -1,8 +1,10 @@
-"""vLLM 0.33.0's defaults, in one table: the settings kvlab sizes a memory budget and an engine with.
+"""vLLM's defaults, in one table, per release: the settings kvlab sizes a memory budget and an engine with.
 
-Every value is read from the vLLM 0.33.0 wheel's source (commit g4ba787ec9); the file and the name it is set
-under stand beside it. `kvlab.costs.budget`, `kvlab.engine.config.EngineConfig`, `kvlab.planning.plan`, `kvlab.planning.diagnose`, the CLI and
-the chapters read these names, and no other module types one of the numbers as a vLLM default (a test checks).
+Each release kvlab read (`RELEASES`) has its own row, read from that release's wheel; the module constants are
+vLLM 0.33.0's (commit g4ba787ec9) where 0.34.0 did not change them. The file and the name each value is set under
+stand beside it; the provenance of every row is in tests/test_vllm_defaults.py. `kvlab.costs.budget`,
+`kvlab.engine.config.EngineConfig`, `kvlab.planning`, the CLI and the chapters read these names, and no other module
+types one of the numbers as a vLLM default (a test checks).
 
 Two of them depend on the GPU and on how vLLM was started (`EngineArgs.get_batch_defaults` and
 `_set_default_max_num_seqs_and_batched_tokens_args` in `vllm/engine/arg_utils.py`): the `LLM` class
@@ -13,17 +15,22 @@ follows that function, including its rule with chunked prefill off: the step mus
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
 from kvlab.checks import check_count
 
-VLLM_VERSION = "0.33.0"
+# The current release: what kvlab sizes with when no version is named.
+VLLM_VERSION = "0.34.0"
 
-# vllm/config/cache.py, CacheConfig.gpu_memory_utilization: Field(default=0.92, gt=0, le=1).
+# vllm/config/cache.py, CacheConfig.gpu_memory_utilization: 0.92 in 0.20.0-0.33.0; 0.34.0 keeps it as
+# DEFAULT_GPU_MEMORY_UTILIZATION, what an unset utilisation resolves to with the extensible KV cache off.
 GPU_MEMORY_UTILIZATION = 0.92
-# vllm/config/cache.py, CacheConfig.DEFAULT_BLOCK_SIZE; an attention backend may prefer another size
-# (vllm/platforms/interface.py, "Setting kv cache block size to %d").
+# 0.34.0's resolved_gpu_memory_utilization with the extensible KV cache on (vllm/config/cache.py).
+EXTENSIBLE_GPU_MEMORY_UTILIZATION = 1.0
+# vllm/config/cache.py, CacheConfig.DEFAULT_BLOCK_SIZE through 0.33.0, what kvlab's own engine pages with; 0.34.0
+# raised it to 64 (`RELEASES`). An attention backend may prefer another size (vllm/platforms/interface.py).
 BLOCK_SIZE = 16
 # vllm/config/cache.py, CacheConfig.enable_prefix_caching (on for every model that supports it).
 ENABLE_PREFIX_CACHING = True
@@ -39,14 +46,20 @@ KV_CACHE_DTYPE = "auto"
 # vllm/envs.py, VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS defaults to "1": the CUDA-graph estimate is
 # subtracted from the KV memory (vllm/v1/worker/gpu_worker.py, determine_available_memory).
 ESTIMATE_CUDA_GRAPHS = True
-# The first release where that default holds; older logs were sized without the estimate (kvlab.costs.budget).
-ESTIMATE_CUDA_GRAPHS_SINCE = (0, 21)
+# The first release where that default holds (vllm/envs.py: "1" in 0.20.0, "0" in 0.19.0; the log line's
+# "default since v0.21.0" is one release late); older logs were sized without the estimate (kvlab.costs.budget).
+ESTIMATE_CUDA_GRAPHS_SINCE = (0, 20)
 # The v0 engine's default utilisation (vllm/engine/arg_utils.py of 0.6.x, EngineArgs.gpu_memory_utilization;
 # documented in vllm-project/vllm#2162), what a v0 start-up log that prints none was sized with.
 V0_GPU_MEMORY_UTILIZATION = 0.9
 # The v0 engine switched chunked prefill on by default only for a max_model_len above this many tokens
 # (vllm/engine/arg_utils.py of 0.6.x, EngineArgs.create_engine_config's long-context rule).
 V0_CHUNKED_PREFILL_ABOVE = 32768
+# v0's token budget (vllm/config.py of 0.6.4, SchedulerConfig): 512 with chunked prefill, else
+# max(max_model_len, 2048); EngineArgs.max_num_seqs 256.
+V0_CHUNKED_MAX_NUM_BATCHED_TOKENS = 512
+V0_MIN_MAX_NUM_BATCHED_TOKENS = 2048
+V0_MAX_NUM_SEQS = 256
 # vllm/config/vllm.py, VllmConfig._set_cudagraph_sizes: graphs are captured up to min(2 × max_num_seqs, 512)
 # tokens (1024 on data-centre Blackwell), and never above max_num_batched_tokens.
 MAX_CUDAGRAPH_CAPTURE_SIZE = 512
@@ -89,19 +102,28 @@ BIG = BatchTier(
 )
 OTHER = BatchTier("other", "every other GPU", {"llm": 8192, "serve": 2048}, {"llm": 256, "serve": 256})
 TIERS = (LARGE, BIG, OTHER)
+# 0.19.0-0.22.0 had no 160 GiB row, and kept only A100s off the big one (vllm/engine/arg_utils.py)
+BIG_EARLY = BatchTier(
+    "big", ">= 70 GiB, not an A100 (H100, H200, B200)", BIG.max_num_batched_tokens, BIG.max_num_seqs
+)
+TIERS_EARLY = (BIG_EARLY, OTHER)
 
 
-def batch_tier(total_memory_bytes: int, device_name: str = "") -> BatchTier:
-    """The row of vLLM's per-GPU table for a GPU of `total_memory_bytes` (NVML's total) named `device_name`.
+def batch_tier(
+    total_memory_bytes: int, device_name: str = "", tiers: tuple[BatchTier, ...] = TIERS
+) -> BatchTier:
+    """The row of vLLM's per-GPU table (`tiers`, a release's) for a GPU of `total_memory_bytes` (NVML's total)
+    named `device_name`.
 
     vLLM keeps A100s on the small tier (PR #17885: larger batches lowered its throughput) and GB10, whose
     compute is small for its memory; kvlab knows GB10 by name only (vLLM checks compute capability 12.1)."""
     check_count("total_memory_bytes", total_memory_bytes)
     name = device_name.lower()
-    if total_memory_bytes >= 160 * GiB:
+    if LARGE in tiers and total_memory_bytes >= 160 * GiB:
         return LARGE
-    if total_memory_bytes >= 70 * GiB and "a100" not in name and "gb10" not in name:
-        return BIG
+    big = next(t for t in tiers if t.name == "big")
+    if total_memory_bytes >= 70 * GiB and "a100" not in name and (big is BIG_EARLY or "gb10" not in name):
+        return big
     return OTHER
 
 
@@ -111,14 +133,17 @@ class BatchDefaults:
 
     max_num_batched_tokens: int
     max_num_seqs: int
-    tier: BatchTier
+    tier: BatchTier | None  # None: the v0 engine, whose defaults do not depend on the GPU
     usage_context: str
     enable_chunked_prefill: bool
+    version: str = VLLM_VERSION  # the release whose rule chose them
 
     def describe(self) -> str:
         chunked = "" if self.enable_chunked_prefill else ", chunked prefill off: a whole max_model_len prompt"
+        if self.tier is None:
+            return f"vLLM {self.version}'s v0 defaults{chunked} (vllm/config.py SchedulerConfig)"
         return (
-            f"vLLM {VLLM_VERSION}'s default for {USAGE_CONTEXTS[self.usage_context]}, from its per-GPU row "
+            f"vLLM {self.version}'s default for {USAGE_CONTEXTS[self.usage_context]}, from its per-GPU row "
             f"for {self.tier.applies_to}{chunked} (vllm/engine/arg_utils.py)"
         )
 
@@ -130,27 +155,158 @@ def batch_defaults(
     *,
     enable_chunked_prefill: bool = ENABLE_CHUNKED_PREFILL,
     max_model_len: int | None = None,
+    release: Release | None = None,
 ) -> BatchDefaults:
-    """vLLM 0.33.0's `max_num_batched_tokens` and `max_num_seqs` when the user sets neither.
+    """`max_num_batched_tokens` and `max_num_seqs` when the user sets neither, by `release`'s rule (the
+    current release when None).
 
-    Follows `EngineArgs._set_default_max_num_seqs_and_batched_tokens_args`: the tier's values for the usage
+    v1 follows `EngineArgs._set_default_max_num_seqs_and_batched_tokens_args`: the tier's values for the usage
     context; with chunked prefill off, `max(max_model_len, that)`; then at most `max_num_seqs × max_model_len`
-    tokens, and `max_num_seqs` at most the token budget. `max_model_len` is needed with chunked prefill off.
+    tokens, and `max_num_seqs` at most the token budget. v0 (`SchedulerConfig` of 0.6.4): 256 sequences and 512
+    tokens with chunked prefill, `max(max_model_len, 2048)` without. `max_model_len` is needed with chunked
+    prefill off.
     """
+    rule = CURRENT if release is None else release
     if usage_context not in USAGE_CONTEXTS:
         raise ValueError(f"usage_context must be one of {', '.join(USAGE_CONTEXTS)}, got {usage_context!r}")
     if max_model_len is not None:
         check_count("max_model_len", max_model_len)
     elif not enable_chunked_prefill:
         raise ValueError("with chunked prefill off, vLLM's token budget depends on max_model_len: pass it")
-    tier = batch_tier(total_memory_bytes, device_name)
+    if rule.engine == "v0":
+        check_count("total_memory_bytes", total_memory_bytes)
+        seqs = V0_MAX_NUM_SEQS
+        if enable_chunked_prefill:
+            tokens = V0_CHUNKED_MAX_NUM_BATCHED_TOKENS
+        else:
+            assert max_model_len is not None
+            tokens = max(max_model_len, V0_MIN_MAX_NUM_BATCHED_TOKENS)
+        return BatchDefaults(
+            tokens, min(seqs, tokens), None, usage_context, enable_chunked_prefill, rule.version
+        )
+    tier = batch_tier(total_memory_bytes, device_name, rule.tiers)
     tokens = tier.max_num_batched_tokens[usage_context]
     seqs = tier.max_num_seqs[usage_context]
     if max_model_len is not None:
         if not enable_chunked_prefill:
             tokens = max(max_model_len, tokens)
         tokens = min(seqs * max_model_len, tokens)
-    return BatchDefaults(tokens, min(seqs, tokens), tier, usage_context, enable_chunked_prefill)
+    return BatchDefaults(tokens, min(seqs, tokens), tier, usage_context, enable_chunked_prefill, rule.version)
+
+
+@dataclass(frozen=True)
+class Release:
+    """How one vLLM release sizes its KV pool at start-up, and its defaults: one row of `RELEASES`.
+
+    `sizing` names the rule `kvlab.costs.budget` applies: "v0" (a whole profiled step, everything outside the
+    cache charged), "v1" (profiled step, no CUDA-graph charge), "v1+graphs" (the CUDA-graph estimate charged too),
+    "measured" (0.34's extensible cache, sized from memory measured after warmup and graph capture)."""
+
+    version: str
+    engine: Literal["v0", "v1"]
+    sizing: Literal["v0", "v1", "v1+graphs", "measured"]
+    gpu_memory_utilization: float  # what an unset utilisation resolves to
+    block_size: int
+    tiers: tuple[BatchTier, ...]  # unused by v0, whose defaults do not depend on the GPU
+    # what an unset utilisation resolves to with the extensible cache off (the estimate rule's)
+    estimate_gpu_memory_utilization: float
+
+    @property
+    def estimate_cuda_graphs(self) -> bool:
+        """Whether the estimate rule charges CUDA graphs (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS's default)."""
+        return self.sizing in ("v1+graphs", "measured")
+
+    @property
+    def extensible_kv_cache(self) -> bool:
+        """Whether the extensible KV cache is on by default (CUDA and ROCm)."""
+        return self.sizing == "measured"
+
+    def chunked_prefill(self, max_model_len: int | None) -> bool:
+        """Chunked prefill's default: always on in v1; in v0 only above 32k tokens."""
+        if self.engine == "v1":
+            return True
+        return max_model_len is not None and max_model_len > V0_CHUNKED_PREFILL_ABOVE
+
+
+# The releases whose source kvlab read (provenance per row in tests/test_vllm_defaults.py), oldest first.
+RELEASES = (
+    Release("0.6.4", "v0", "v0", V0_GPU_MEMORY_UTILIZATION, BLOCK_SIZE, (), V0_GPU_MEMORY_UTILIZATION),
+    Release(
+        "0.19.0", "v1", "v1", V0_GPU_MEMORY_UTILIZATION, BLOCK_SIZE, TIERS_EARLY, V0_GPU_MEMORY_UTILIZATION
+    ),
+    Release(
+        "0.20.0", "v1", "v1+graphs", GPU_MEMORY_UTILIZATION, BLOCK_SIZE, TIERS_EARLY, GPU_MEMORY_UTILIZATION
+    ),
+    Release("0.33.0", "v1", "v1+graphs", GPU_MEMORY_UTILIZATION, BLOCK_SIZE, TIERS, GPU_MEMORY_UTILIZATION),
+    # vllm/config/cache.py of 0.34.0: DEFAULT_BLOCK_SIZE 64, utilisation None -> 1.0 with the extensible cache
+    Release("0.34.0", "v1", "measured", EXTENSIBLE_GPU_MEMORY_UTILIZATION, 64, TIERS, GPU_MEMORY_UTILIZATION),
+)
+CURRENT = RELEASES[-1]
+# The engine families: v0 (the default engine before 0.8.0) and v1 as first released (0.8.0 to 0.19.x)
+FAMILIES = {"v0": RELEASES[0], "v1": RELEASES[1]}
+V1_SINCE = (0, 8)
+OLDEST = (0, 5)
+
+# vllm/config/vllm.py of 0.34.0, VllmConfig._resolve_extensible_kv_cache: where the estimate rule still sizes
+# the cache (then at GPU_MEMORY_UTILIZATION when unset). kvlab's switch: `extensible_kv_cache=False`.
+EXTENSIBLE_FALLBACKS = (
+    "kv_cache_memory_bytes or num_gpu_blocks_override is set",
+    "elastic EP",
+    "a KV connector sharing the cache through legacy CUDA IPC, or with its own memory pool",
+    "on ROCm, a connector that registers the cache (NIXL, Mooncake, MoRIIO, UMBP)",
+    "NIXL on device memory without an IMEX channel",
+    "a platform or driver without VMM support",
+)
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """(major, minor, patch) of a release name such as "0.20.1rc1.dev16+g7a1eb8ac2"; a one-line ValueError
+    when it is not one."""
+    found = re.fullmatch(
+        r"v?(\d+)\.(\d+)(?:\.(\d+))?(?:\.\d+)*(?:[.+\-]?(?:post|rc|dev|a|b|\+).*)?", version.strip()
+    )
+    if not found:
+        raise ValueError(
+            f"not a vLLM release: {version!r} (e.g. 0.6.3, 0.19.0, 0.34.0, or the family v0 or v1)"
+        )
+    return tuple(int(part or 0) for part in found.groups())
+
+
+@dataclass(frozen=True)
+class ResolvedRelease:
+    """The rule a named version gets, and a note saying which release's source it is read from."""
+
+    asked: str
+    release: Release
+    note: str
+
+
+def resolve(version: str | None = None) -> ResolvedRelease:
+    """The rule for `version`: a release ("0.6.3", "0.34.0") or a family ("v0", "v1"); None is the current
+    release. A release between two that kvlab read gets the nearer older one's rule, and the note says so."""
+    if version is None:
+        return ResolvedRelease(CURRENT.version, CURRENT, f"vLLM {CURRENT.version}, the current release")
+    name = version.strip().lower()
+    if name in FAMILIES:
+        rule = FAMILIES[name]
+        era = "before 0.8.0" if name == "v0" else "0.8.0 to 0.19.x"
+        return ResolvedRelease(name, rule, f"the {name} engine ({era}): vLLM {rule.version}'s rule")
+    wanted = version_tuple(name)
+    if wanted[:2] < OLDEST:
+        raise ValueError(f"vLLM {version} is older than 0.5, the oldest release kvlab models")
+    engine = "v0" if wanted[:2] < V1_SINCE else "v1"
+    older = [r for r in RELEASES if r.engine == engine and version_tuple(r.version) <= wanted]
+    rule = older[-1] if older else FAMILIES[engine]
+    read = version_tuple(rule.version)
+    if wanted == read:
+        note = f"vLLM {rule.version}"
+    elif wanted > read:
+        note = f"vLLM {version}: {rule.version}'s rule, the nearest older release kvlab read"
+    else:
+        note = (
+            f"vLLM {version}: the {engine} engine's rule, read from {rule.version} (kvlab read no older one)"
+        )
+    return ResolvedRelease(version, rule, note)
 
 
 def describe(setting: str) -> str:
@@ -162,15 +318,25 @@ def describe(setting: str) -> str:
 
 
 def rows() -> list[tuple[str, str, str]]:
-    """(setting, vLLM 0.33.0's default, where it is set): the table as the chapters and `EngineConfig` show it."""
+    """(setting, the current release's default, where it is set): the table as the chapters and `EngineConfig`
+    show it; where 0.34.0 changed a default, the row gives 0.33.0's too."""
     per_gpu = "; ".join(
         f"{t.applies_to}: {t.max_num_batched_tokens['serve']} serve / {t.max_num_batched_tokens['llm']} LLM class"
         for t in TIERS
     )
     seqs = "; ".join(f"{t.applies_to}: {t.max_num_seqs['serve']}" for t in TIERS)
     return [
-        ("gpu_memory_utilization", f"{GPU_MEMORY_UTILIZATION}", "vllm/config/cache.py"),
-        ("block_size", f"{BLOCK_SIZE} (an attention backend may choose another)", "vllm/config/cache.py"),
+        (
+            "gpu_memory_utilization",
+            f"unset: {EXTENSIBLE_GPU_MEMORY_UTILIZATION:g} with the extensible KV cache (on by default on CUDA "
+            f"from 0.34.0), {GPU_MEMORY_UTILIZATION} without it and through 0.33.0",
+            "vllm/config/cache.py",
+        ),
+        (
+            "block_size",
+            f"{CURRENT.block_size} from 0.34.0, {BLOCK_SIZE} through 0.33.0 (an attention backend may choose another)",
+            "vllm/config/cache.py",
+        ),
         ("enable_prefix_caching", f"{ENABLE_PREFIX_CACHING}", "vllm/config/cache.py"),
         ("enable_chunked_prefill", f"{ENABLE_CHUNKED_PREFILL}", "vllm/config/scheduler.py"),
         ("scheduler_reserve_full_isl", f"{SCHEDULER_RESERVE_FULL_ISL}", "vllm/config/scheduler.py"),
