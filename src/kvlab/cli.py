@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from kvlab.book import sweep
 from kvlab.costs import budget
-from kvlab.specs import arch, hardware, shape, sizing
+from kvlab.specs import arch, hardware, shape, sizing, vllm_defaults
 from kvlab.units import format_bytes, format_count, format_tokens, parse_tokens
 
 if TYPE_CHECKING:
@@ -152,8 +152,11 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
         help="default: vLLM's for the GPU (kvlab.specs.vllm_defaults)",
     )
     p.add_argument("--usage-context", choices=["serve", "llm"], help="vllm serve (default) or the LLM class")
-    p.add_argument("--block-size", type=_positive_int, default=budget.BLOCK_SIZE)
-    p.add_argument("--gpu-memory-utilization", type=_fraction, default=budget.GPU_MEMORY_UTILIZATION)
+    p.add_argument("--block-size", type=_positive_int, help="default: the vLLM release's (--vllm-version)")
+    p.add_argument(
+        "--gpu-memory-utilization", type=_fraction, help="default: the vLLM release's (--vllm-version)"
+    )
+    _add_vllm_version_argument(p)
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument(
         "--disagg",
@@ -552,12 +555,13 @@ def _add_size_arguments(size: argparse.ArgumentParser) -> None:
     size.add_argument(
         "--gpu-memory-utilization",
         type=_fraction,
-        default=budget.GPU_MEMORY_UTILIZATION,
-        help=f"share of the GPU the engine may use (vLLM's default: {budget.GPU_MEMORY_UTILIZATION})",
+        help="share of the GPU the engine may use (default: the vLLM release's, 1.0 on 0.34 with its "
+        "extensible KV cache)",
     )
     size.add_argument(
-        "--block-size", type=_positive_int, default=budget.BLOCK_SIZE, help="tokens per KV block"
+        "--block-size", type=_positive_int, help="tokens per KV block (default: the vLLM release's)"
     )
+    _add_vllm_version_argument(size)
     size.add_argument(
         "--max-num-batched-tokens",
         type=_positive_int,
@@ -631,6 +635,30 @@ def _image_request(args: argparse.Namespace) -> ImageRequest | None:
     return ImageRequest(args.images, width, height, args.min_pixels, args.max_pixels)
 
 
+def _vllm_version(text: str) -> str:
+    try:
+        vllm_defaults.resolve(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def _add_vllm_version_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--vllm-version",
+        type=_vllm_version,
+        help=f"the vLLM release whose sizing rule and defaults apply (e.g. 0.33, 0.6.3, or v0/v1; default "
+        f"{vllm_defaults.VLLM_VERSION})",
+    )
+    p.add_argument(
+        "--no-extensible-kv-cache",
+        dest="extensible_kv_cache",
+        action="store_const",
+        const=False,
+        help="vLLM 0.34's estimate-rule fallback (kv_cache_memory_bytes set, legacy-IPC connectors, no VMM)",
+    )
+
+
 def _add_explain_vllm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("logfile", help="a vLLM server's start-up log (v1 or v0 format)")
     p.add_argument("--model", help="the model, when the log prints no engine config line")
@@ -676,6 +704,11 @@ def models_report() -> str:
         f"{kind} ({len(names)}):\n" + "\n".join(f"  {name}" for name in names)
         for kind, names in sorted(groups.items())
     )
+    p.add_argument(
+        "--vllm-version",
+        type=_vllm_version,
+        help="the vLLM release that wrote the log, when it prints none (or to size it by another rule)",
+    )
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -706,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
             from kvlab.planning import explain_vllm
 
             total = None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * 2**30)
-            print(explain_vllm.main(args.logfile, args.model, total))
+            print(explain_vllm.main(args.logfile, args.model, total, args.vllm_version))
         elif args.command == "plan":
             print(plan_report(args))
         else:
