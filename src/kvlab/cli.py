@@ -248,12 +248,16 @@ def plan_report(args: argparse.Namespace) -> str:
         max_gpus=args.max_gpus,
     )
     result = plan.plan(args.model, args.gpu, allreduce_latency_s=args.allreduce_latency / 1e3, **common)
+    # How far off the planner has been on measured runs of real engines like this one (chapter 14).
+    from kvlab.planning.measured import track_record
+
+    report = result.report() + "\n" + track_record(result.gpu, args.model)
     if split is None and args.router is None:
-        return result.report()
+        return report
     layouts = plan.plan_cluster(
         args.model, args.gpu, disagg=split, router=args.router, kv_link=args.kv_link, goodput=True, **common
     )
-    return result.report() + "\n" + layouts.report()
+    return report + "\n" + layouts.report()
 
 
 def _settings(args: argparse.Namespace) -> budget.BudgetSettings:
