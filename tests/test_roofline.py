@@ -225,7 +225,10 @@ PUBLISHED = __import__("json").loads(
 )
 
 
-def test_realistic_model_lands_within_1_5x_of_published_decode_steps(capsys):
+def test_realistic_model_fits_the_published_decode_steps_it_was_calibrated_on(capsys):
+    """In-sample: `Realism.step_overhead_s` is the low end of these cases' residuals, so this checks that the fit
+    stays within 1.5x of every case, not how far off the model is on runs it has not seen. The out-of-sample error
+    is benchmarks/planner_vs_measured.py's (measured serving runs, constants fitted on a separate part)."""
     ratios = []
     for case in PUBLISHED["expressed"]:
         bound = roofline.decode_step_time(
