@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvlab.book import sweep
 from kvlab.costs import budget
@@ -301,6 +302,7 @@ def size_report(
     mem_fraction_static: float | None = None,
     images: ImageRequest | None = None,
     eviction: Eviction | None = None,
+    facts: dict[str, Any] | None = None,
 ) -> str:
     """The text `kvlab size` prints; with `gpu`, the memory budget line by line (`kvlab.costs.budget`).
 
@@ -313,6 +315,8 @@ def size_report(
     With `per_gpu` (a parallel plan: `--tp` and/or `--pp` given) every figure is what ONE GPU of the largest
     stage holds, and a plan whose budget does not fit the GPU is an error naming the smallest tensor-parallel
     size that would.
+
+    With `facts` (a dict), the figures are also stored in it by name, for `kvlab size --json` (`size_json`).
     """
     s = settings or budget.BudgetSettings()
     tp, pp = s.tp, s.pp
@@ -358,6 +362,33 @@ def size_report(
         f"weights      {format_bytes(weights)} ({s.weight_dtype})",
         f"weights + KV {format_bytes(weights + total)}",
     ]
+    if facts is not None:
+        facts.update(
+            model=model,
+            architecture=dict(
+                attention_type=spec.attention_type,
+                layer_mix=spec.layer_mix,
+                num_layers=spec.num_layers,
+                layer_kinds=spec.kinds,
+                kv_heads=spec.kv_heads,
+                head_dim=spec.head_dim,
+            ),
+            per_gpu=per_gpu,
+            tokens_seen=seen,
+            tokens_per_sequence=context,
+            kv_bytes_per_token=per_token,
+            kv_bytes_per_sequence=per_seq,
+            state_bytes_per_sequence=(
+                sizing.state_bytes_per_sequence(config, s.kv_dtype) if spec.has_state else None
+            ),
+            kv_bytes_total=total,
+            weight_bytes=weights,
+            weight_and_kv_bytes=weights + total,
+            image_tokens_per_sequence=None if image_cost is None else image_cost.prompt_tokens,
+            budget=None,
+            sequences_fit=None,
+            batch_fits=None,
+        )
     if gpu is not None and engine == "sglang":
         lines += _sglang_lines(config, gpu, s, context, batch, mem_fraction_static)
     elif gpu is not None:
@@ -370,7 +401,107 @@ def size_report(
         verdict = "fits" if seqs >= batch else "does NOT fit"
         lines += [f"on {hardware.get(gpu).name}: the memory budget", *plan.lines(context)]
         lines.append(f"  {_sequences(batch)} of {format_tokens(context)} tokens: {verdict} (room for {seqs})")
+        if facts is not None:
+            facts.update(budget=_budget_facts(plan), sequences_fit=seqs, batch_fits=seqs >= batch)
     return "\n".join(lines)
+
+
+def _budget_facts(plan: budget.MemoryBudget) -> dict[str, Any]:
+    """Every field and public property of a `MemoryBudget` (a nested budget, such as its floor, likewise), and
+    its terms from the capacity down to the pool (`MemoryBudget.stack`; None when they exceed the capacity), for
+    `kvlab size --json`."""
+    cls = type(plan)
+    names = [f.name for f in dataclasses.fields(plan)]
+    names += [n for n in dir(cls) if not n.startswith("_") and isinstance(getattr(cls, n), property)]
+    out: dict[str, Any] = {}
+    for name in names:
+        value = getattr(plan, name)
+        out[name] = _budget_facts(value) if isinstance(value, budget.MemoryBudget) else value
+    out["max_tokens"] = plan.max_tokens()
+    stack = [
+        *plan.stack(),
+        ("block rounding", plan.rounding_bytes, f"whole blocks of {plan.block_size} tokens"),
+        ("KV pool", plan.kv_pool_bytes, f"{plan.num_blocks:,} blocks of {plan.block_size} tokens"),
+    ]
+    out["terms"] = (
+        None
+        if plan.kv_headroom_bytes < 0
+        else [{"name": n, "bytes": v, "text": format_bytes(v), "note": note} for n, v, note in stack]
+    )
+    return out
+
+
+def size_json(args: argparse.Namespace) -> dict[str, Any]:
+    """The one JSON object `kvlab size --json` prints: `size_report`'s figures by name, the settings they were
+    sized at, its text, and the `vllm serve` command that reproduces the setting (`kvlab.specs.vllm_serve`)."""
+    from kvlab.specs import vllm_serve
+
+    if args.engine == "sglang":
+        raise ValueError("--json prints vLLM's budget: drop --engine sglang")
+    facts: dict[str, Any] = {}
+    settings = _settings(args)
+    eviction = _eviction(args)
+    report = size_report(
+        args.model,
+        args.context,
+        args.batch,
+        settings,
+        args.gpu,
+        args.tp is not None or args.pp is not None,
+        images=_image_request(args),
+        eviction=eviction,
+        facts=facts,
+    )
+    tokens, seqs = (
+        settings.batch_limits(args.gpu, shape.prepare(args.model))
+        if args.gpu is not None
+        else (settings.max_num_batched_tokens, None)
+    )
+    serve = vllm_serve.serve_command(
+        args.model,
+        max_model_len=facts["tokens_seen"],
+        kv_dtype=settings.kv_dtype,
+        weight_dtype=settings.weight_dtype,
+        tp=settings.tp,
+        pp=settings.pp,
+        # the values the budget was sized with (a release's defaults resolved), else the ones given
+        gpu_memory_utilization=(facts["budget"] or {}).get(
+            "gpu_memory_utilization", settings.gpu_memory_utilization
+        ),
+        block_size=(facts["budget"] or {}).get("block_size", settings.block_size),
+        max_num_batched_tokens=tokens,
+        max_num_seqs=seqs,
+        usage_context=settings.usage_context,
+        limit_images=settings.limit_images,
+        min_pixels=args.min_pixels,
+        max_pixels=args.max_pixels,
+        speculative=settings.speculative,
+        draft=settings.draft,
+        draft_layers=settings.draft_layers,
+        evicts=eviction is not None,
+    )
+    return {
+        "settings": {
+            "context": args.context,
+            "batch": args.batch,
+            "gpu": args.gpu,
+            "images": args.images,
+            "image_size": args.image_size if args.images is not None else None,
+            "keep_ratio": args.keep_ratio,
+            "window": args.window,
+            "sinks": args.sinks,
+            **dataclasses.asdict(settings),
+        },
+        **facts,
+        # each byte count above as the report writes it (kvlab.units.format_bytes), for a page to show
+        "texts": {
+            name: format_bytes(value)
+            for name, value in [*facts.items(), *(facts["budget"] or {}).items()]
+            if "bytes" in name and isinstance(value, int) and not isinstance(value, bool)
+        },
+        "vllm_serve": serve.as_dict(),
+        "report": report,
+    }
 
 
 @dataclass(frozen=True)
@@ -593,6 +724,12 @@ def _add_size_arguments(size: argparse.ArgumentParser) -> None:
     _add_image_arguments(size)
     _add_limit_images_argument(size)
     _add_eviction_arguments(size)
+    size.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: the figures, the budget term by term, the vllm serve command (a refusal: "
+        '{"error": ...}, exit 2)',
+    )
 
 
 def _add_eviction_arguments(size: argparse.ArgumentParser) -> None:
@@ -669,6 +806,11 @@ def _add_explain_vllm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gpu-memory-gib", type=float, help="the GPU's total memory in GiB, when the log prints none"
     )
+    p.add_argument(
+        "--vllm-version",
+        type=_vllm_version,
+        help="the vLLM release that wrote the log, when it prints none (or to size it by another rule)",
+    )
 
 
 def _add_diagnose_arguments(p: argparse.ArgumentParser) -> None:
@@ -708,11 +850,6 @@ def models_report() -> str:
         f"{kind} ({len(names)}):\n" + "\n".join(f"  {name}" for name in names)
         for kind, names in sorted(groups.items())
     )
-    p.add_argument(
-        "--vllm-version",
-        type=_vllm_version,
-        help="the vLLM release that wrote the log, when it prints none (or to size it by another rule)",
-    )
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -726,11 +863,36 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _json_refusal(message: str) -> int:
+    """`kvlab size --json`'s answer to input it refuses: {"error": the one line}, exit 2."""
+    print(json.dumps({"error": message}))
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(command).parse_args(argv)
+    as_json = command == "size" and "--json" in argv
+    if as_json:
+        # argparse prints a bad flag's one line to stderr and exits 2; --json answers it as JSON instead.
+        import contextlib
+        import io
+
+        stderr = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(stderr):
+                args = build_parser(command).parse_args(argv)
+        except SystemExit as stop:
+            if stop.code == 0:
+                raise
+            line = stderr.getvalue().strip().splitlines()[-1]
+            return _json_refusal(line.split(" error: ", 1)[-1])
+    else:
+        args = build_parser(command).parse_args(argv)
     try:
+        if as_json:
+            print(json.dumps(size_json(args), indent=1))
+            return 0
         if args.command == "sweep":
             return sweep.main(args)
         if args.command == "models":
@@ -767,6 +929,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
     except (arch.UnknownModelError, arch.UnsupportedConfigError, ValueError) as err:
+        if as_json:
+            return _json_refusal(str(err))
         print(f"kvlab: error: {err}", file=sys.stderr)
         return 2
     return 0
