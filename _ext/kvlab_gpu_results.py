@@ -89,7 +89,7 @@ class GpuResults(SphinxDirective):
         heading = nodes.rubric(text="Measured on " + ", ".join(devices))
         intro = nodes.paragraph(
             text=(
-                "The lab's glued values at the GPU sizes of book/gpu_params.yaml (make gpu), beside the CPU"
+                "The lab's glued values at the GPU sizes of kvlab/book/gpu_params.yaml (make gpu), beside the CPU"
                 " values of its stored outputs. Each run's provenance:"
             )
         )

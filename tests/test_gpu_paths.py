@@ -110,18 +110,15 @@ def test_lab_17_sizes_every_engine_it_builds():
 
 
 def test_lab_17_s_gpu_prompts_fit_its_model():
-    """At book/gpu_params.yaml's sizes, lab 17's longest prompt and its outputs fit the tiny Llama's positions:
+    """At gpu_params.yaml's sizes, lab 17's longest prompt and its outputs fit the tiny Llama's positions:
     the engines refuse a request longer than max_model_len, and the split run would fail at prefill."""
-    from kvlab.book.gpu import load_params
+    from kvlab.book.gpu import PARAMS, load_params
     from kvlab.book.sweep import notebook_parameters
     from kvlab.models import tiny_config
 
     lab = ROOT / "book" / "17_cluster" / "lab.ipynb"
     for stub in (False, True):
-        values = (
-            notebook_parameters(lab)
-            | load_params(ROOT / "book" / "gpu_params.yaml", ROOT / "book", stub)["17_cluster"]
-        )
+        values = notebook_parameters(lab) | load_params(PARAMS, ROOT / "book", stub)["17_cluster"]
         knobs = {k: values[k] for k in ("layers", "hidden", "heads", "kv_heads", "vocab")}
         limit = tiny_config("llama", **knobs).max_position_embeddings
         assert max(values["prompt_lens"]) + values["max_tokens"] <= limit, (stub, limit)

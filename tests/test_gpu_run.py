@@ -24,7 +24,7 @@ TINY = {  # chapter 1 in seconds on CPU; recomputing 1024 tokens outweighs the p
 
 
 def test_gpu_params_name_only_real_parameters_of_real_labs():
-    params = load_params(ROOT / "book" / "gpu_params.yaml", ROOT / "book")
+    params = load_params(gpu.PARAMS, ROOT / "book")
     labs = sorted(p.parent.name for p in (ROOT / "book").glob("*/lab.ipynb"))
     # every lab is listed (an empty mapping: its CPU defaults already fit a GPU), and every lab listed exists
     assert set(params) == set(labs), sorted(set(labs) ^ set(params))
@@ -238,7 +238,7 @@ def test_the_parent_of_the_labs_never_initialises_cuda(monkeypatch, tmp_path, ca
     cuda, report = gpu.probe()
     assert not cuda and report["device"].startswith("CPU") and report["torch"] == torch.__version__
     with pytest.raises(gpu.SweepError, match="no GPU visible"):
-        gpu.run_labs(ROOT / "book" / "gpu_params.yaml", tmp_path, root=ROOT, chapters=["01_cache_contents"])
+        gpu.run_labs(gpu.PARAMS, tmp_path, root=ROOT, chapters=["01_cache_contents"])
     monkeypatch.setenv("KVLAB_GPU_STUB", "cpu")
     argv = ["--root", str(ROOT), "--out", str(tmp_path), "--labs", "10_weights_not_cache,16_fewer_tokens"]
     assert gpu.main(argv) == 0

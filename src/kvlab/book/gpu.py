@@ -1,7 +1,9 @@
 """`make gpu`: every lab at its GPU sizes, results kept as data under book/results/<gpu>/.
 
-The GPU-sized parameters of every lab live in one file, book/gpu_params.yaml (chapter folder -> parameters).
-`run_labs` executes each lab with papermill at those values and writes, per lab, into book/results/<gpu>/:
+The GPU-sized parameters of every lab live in one file shipped with the package, kvlab/book/gpu_params.yaml
+(chapter folder -> parameters, with profiles for 80, 40, 24 and 16 GB: `kvlab.book.profiles`). `run_labs` executes
+each lab with papermill at the profile that fits the GPU's free memory (the one the lab itself would pick) and
+writes, per lab, into book/results/<gpu>/:
 
 - <chapter>.ipynb: the executed notebook;
 - <chapter>.json: its glued scalars (read by `kvlab.book.sweep.glued_scalars`, the one reader of glue), its
@@ -10,10 +12,11 @@ The GPU-sized parameters of every lab live in one file, book/gpu_params.yaml (ch
 
 `kvlab.book.report.gpu_results_table(chapter)` shows a chapter's recorded GPU values beside its CPU figures.
 
-    python -m kvlab.book.gpu [--params book/gpu_params.yaml] [--out book/results] [--labs 01_cache_contents,...]
+    python -m kvlab.book.gpu [--params FILE] [--out book/results] [--labs 01_cache_contents,...]
 
 KVLAB_GPU_STUB=cpu runs the same steps with the GPU hidden (CUDA_VISIBLE_DEVICES=""), for a dry run on a machine
-without one; its results go under `cpu-stub`, never under a GPU's name.
+without one, at the 80 GB profile with the file's `cpu_stub` values over it; its results go under `cpu-stub`,
+never under a GPU's name.
 
 This process never touches CUDA: whether a GPU is visible, and the provenance, come from a child process
 (`probe`), so the labs' kernels get the whole device, without a CUDA context held here. A lab that loads the real
@@ -34,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvlab.book import profiles
 from kvlab.book.sweep import (
     SweepError,
     _atomic_write,
@@ -46,10 +50,10 @@ from kvlab.book.sweep import (
 )
 
 STUB_ENV = "KVLAB_GPU_STUB"
-# In book/gpu_params.yaml, a chapter's values for the CPU dry run (see `load_params`).
-STUB_KEY = "cpu_stub"
+# In gpu_params.yaml, a chapter's values for the CPU dry run (see `load_params`).
+STUB_KEY = profiles.STUB_KEY
 RESULTS = Path("book") / "results"
-PARAMS = Path("book") / "gpu_params.yaml"
+PARAMS = profiles.PARAMS_FILE
 # A lab's status when it cannot run on this machine (`not_run_reason`); not a failure.
 NOT_RUN = "not run"
 REAL_MODEL_CALL = re.compile(r"\breal_model\(")
@@ -67,12 +71,16 @@ def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
 
 
-def load_params(path: Path, book: Path, stub: bool = False) -> dict[str, dict[str, Any]]:
+def load_params(
+    path: Path, book: Path, stub: bool = False, free_bytes: int | None = None
+) -> dict[str, dict[str, Any]]:
     """Chapter folder -> GPU-sized parameters, each name checked against that lab's `parameters` cell.
 
-    A chapter's `cpu_stub` mapping holds the values that replace GPU sizes a CPU cannot run in minutes; a dry run
-    (`stub`, KVLAB_GPU_STUB=cpu) applies them over the GPU values, so every other GPU value and every assert runs
-    on the CPU as it will on the GPU. A GPU run ignores them."""
+    The values are the 80 GB profile's, or with `free_bytes` the profile each lab picks at that much free
+    memory (`kvlab.book.profiles.choose`, from the lab's own defaults). A chapter's `cpu_stub` mapping holds the
+    values that replace GPU sizes a CPU cannot run in minutes; a dry run (`stub`, KVLAB_GPU_STUB=cpu) applies
+    them over the 80 GB values, so every other GPU value and every assert runs on the CPU as it will on the GPU.
+    A GPU run ignores them."""
     yaml = _require("yaml")
     if not path.is_file():
         raise SweepError(f"no such parameters file: {path}")
@@ -89,14 +97,27 @@ def load_params(path: Path, book: Path, stub: bool = False) -> dict[str, dict[st
             raise SweepError(f"{path}: chapter {chapter!r} needs a mapping of parameters")
         values = dict(values)
         overrides = values.pop(STUB_KEY, None) or {}
+        smaller = values.pop(profiles.PROFILES_KEY, None) or {}
+        if not isinstance(smaller, dict) or not all(isinstance(v or {}, dict) for v in smaller.values()):
+            raise SweepError(f"{path}: chapter {chapter!r} needs a mapping of profiles (GB -> parameters)")
         known = notebook_parameters(lab)
-        unknown = sorted((set(values) | set(overrides)) - set(known))
+        named = set(values) | set(overrides) | {k for v in smaller.values() for k in (v or {})}
+        unknown = sorted(named - set(known))
         if unknown:
             raise SweepError(
                 f"{path}: chapter {chapter!r} has no parameter {', '.join(map(repr, unknown))}; "
                 f"its parameters are: {', '.join(known)}"
             )
-        values = values | overrides if stub else values
+        try:
+            if stub or free_bytes is None:
+                values = profiles.profile(str(chapter), profiles.PROFILES_GB[0], data)
+                values = values | overrides if stub else values
+            else:
+                values = profiles.choose(
+                    str(chapter), known, free_bytes, data=data, defaults={str(chapter): known}
+                ).sizes
+        except (ValueError, MemoryError) as err:
+            raise SweepError(f"{path}: {err}") from None
         params[str(chapter)] = values
     return params
 
@@ -129,14 +150,21 @@ _PROBE = """
 import json, sys
 import torch
 from kvlab.env import env_report
-cuda = torch.cuda.is_available()
-print(json.dumps({"cuda": cuda, "report": env_report("cuda" if cuda and sys.argv[1] != "cpu" else "cpu")}))
+cuda = torch.cuda.is_available() and sys.argv[1] != "cpu"
+free = torch.cuda.mem_get_info()[0] if cuda else None
+report = env_report("cuda" if cuda else "cpu")
+print(json.dumps({"cuda": torch.cuda.is_available(), "report": report, "free_bytes": free}))
 """
 
 
 def probe() -> tuple[bool, dict[str, str]]:
     """(whether a GPU is visible, `kvlab.env.env_report` of the device the labs will run on), read in a child
     process so that this one initialises no CUDA."""
+    found = _probe_child()
+    return bool(found["cuda"]), found["report"]
+
+
+def _probe_child() -> dict[str, Any]:
     import kvlab
 
     src = str(Path(kvlab.__file__).resolve().parents[1])
@@ -151,8 +179,8 @@ def probe() -> tuple[bool, dict[str, str]]:
     if done.returncode:
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         raise SweepError(f"probing the device in a child process failed: {last}")
-    found = json.loads(done.stdout.strip().splitlines()[-1])
-    return bool(found["cuda"]), found["report"]
+    found: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return found
 
 
 def provenance(root: Path, report: dict[str, str] | None = None) -> dict[str, str]:
@@ -190,7 +218,7 @@ def run_labs(
     """Run each chosen lab at its parameters; returns the per-lab records (also written as JSON)."""
     papermill = _require("papermill")
     book = root / "book"
-    params = load_params(params_file, book, stub=stubbed())
+    load_params(params_file, book)  # a bad file fails before the device is probed
     labs = sorted(p.parent.name for p in book.glob("*/lab.ipynb"))
     chosen = chapters or labs  # a lab the file does not list runs at its defaults
     unknown = [c for c in chosen if c not in labs]
@@ -198,9 +226,12 @@ def run_labs(
         raise SweepError(f"no lab for chapter(s) {', '.join(unknown)}; the labs are: {', '.join(labs)}")
     if stubbed():
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the kernels papermill starts inherit it
-    cuda, report = probe()
+    found = _probe_child()
+    cuda, report = bool(found["cuda"]), found["report"]
     if not stubbed() and not cuda:
         raise SweepError(f"no GPU visible; for a dry run on CPU set {STUB_ENV}=cpu")
+    # each lab at the profile it would pick itself on this GPU: the largest that fits its free memory
+    params = load_params(params_file, book, stub=stubbed(), free_bytes=found["free_bytes"])
     prov = provenance(root, report)
     folder = out / ("cpu-stub" if stubbed() else slug(prov["device"]))
     folder.mkdir(parents=True, exist_ok=True)
@@ -249,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m kvlab.book.gpu", description="Every lab at its GPU sizes."
     )
     parser.add_argument("--root", type=Path, default=Path.cwd(), help="the repository (holds book/)")
-    parser.add_argument("--params", type=Path, default=None, help=f"default: ROOT/{PARAMS}")
+    parser.add_argument("--params", type=Path, default=None, help=f"default: {PARAMS} (in the package)")
     parser.add_argument("--out", type=Path, default=None, help=f"default: ROOT/{RESULTS}")
     parser.add_argument(
         "--labs", default="", help="comma-separated chapter folders (default: all in --params)"
@@ -259,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     root = args.root.resolve()
     try:
         records = run_labs(
-            args.params or root / PARAMS,
+            args.params or PARAMS,
             args.out or root / RESULTS,
             root=root,
             chapters=[c.strip() for c in args.labs.split(",") if c.strip()] or None,

@@ -1,0 +1,136 @@
+"""kvlab.book.profiles: each lab's GPU sizes by device memory, chosen with torch.cuda's readings faked on CPU."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvlab.book import profiles
+from kvlab.book.sweep import notebook_parameters
+from kvlab.experiments.decode import MEMORY_HEADROOM, eager_scores_bytes
+from kvlab.models import tiny_model
+from kvlab.units import GiB
+
+ROOT = Path(__file__).resolve().parents[1]
+BOOK = ROOT / "book"
+
+
+def test_the_packaged_cpu_defaults_are_each_labs_parameters_cell():
+    """The labs are not installed with kvlab: the package's record of their defaults must be theirs."""
+    assert profiles.recorded_defaults() == profiles.lab_defaults(BOOK), (
+        "run python -m kvlab.book.profiles --write-defaults"
+    )
+
+
+def test_the_parameters_file_and_its_record_ship_in_the_package():
+    text = (ROOT / "pyproject.toml").read_text()
+    assert '"kvlab.book" = ["gpu_params.yaml", "lab_defaults.json"]' in text
+    assert profiles.PARAMS_FILE.parent == Path(profiles.__file__).parent
+    assert not (BOOK / "gpu_params.yaml").exists()
+
+
+def fake_cuda(monkeypatch, free_bytes, name="NVIDIA T4"):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free_bytes, 16 * GiB))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+
+def lab(chapter):
+    return notebook_parameters(BOOK / chapter / "lab.ipynb")
+
+
+def test_on_a_cpu_nothing_changes_and_nothing_is_printed(monkeypatch, capsys):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a CPU run read the GPU's memory")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", refuse)
+    for chapter in profiles.gpu_sized():
+        assert profiles.gpu_sizes(chapter, lab(chapter), torch.device("cpu")) == {}
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize(
+    ("free", "gb", "hidden", "longest"),
+    [(78 * GiB, 80, 8192, 65536), (39 * GiB, 40, 8192, 32768), (22 * GiB, 24, 4096, 65536)],
+)
+def test_a_cuda_device_gets_the_largest_profile_that_fits(monkeypatch, capsys, free, gb, hidden, longest):
+    fake_cuda(monkeypatch, free)
+    sizes = profiles.gpu_sizes("03_prefill_decode", lab("03_prefill_decode"), torch.device("cuda"))
+    assert sizes == profiles.profile("03_prefill_decode", gb)
+    assert (sizes["hidden"], max(sizes["contexts"])) == (hidden, longest)
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(
+        f"NVIDIA T4, {free / GiB:.3g} GiB free: the {gb} GB profile's sizes (predicted peak"
+    )
+    assert "\n" not in line
+    # the next larger profile would not have fitted
+    larger = profiles.PROFILES_GB[profiles.PROFILES_GB.index(gb) - 1] if gb != 80 else None
+    if larger:
+        values = lab("03_prefill_decode") | profiles.profile("03_prefill_decode", larger)
+        assert profiles.peak_bytes("03_prefill_decode", values) > MEMORY_HEADROOM * free
+
+
+def test_the_readers_own_sizes_are_kept_and_too_large_ones_stop_the_lab(monkeypatch):
+    values = lab("04_bandwidth_bound") | {"contexts": [64, 128]}  # papermill -p contexts "[64, 128]"
+    choice = profiles.choose("04_bandwidth_bound", values, 78 * GiB)
+    assert choice.gb == 80 and choice.kept == {"contexts": [64, 128]} and "contexts" not in choice.sizes
+    assert choice.sizes["hidden"] == 16384
+    # hidden 32,768: 80 GB of bf16 weights on a T4
+    values = lab("04_bandwidth_bound") | {"hidden": 32768, "heads": 256}
+    fake_cuda(monkeypatch, 15 * GiB)
+    with pytest.raises(profiles.SizesTooLarge) as err:
+        profiles.gpu_sizes("04_bandwidth_bound", values, torch.device("cuda"))
+    message = str(err.value)
+    assert "\n" not in message and message.endswith("lower heads, hidden")
+    assert "04_bandwidth_bound: these sizes need about" in message and "15 GiB free" in message
+
+
+def test_a_device_too_small_for_every_profile_keeps_the_cpu_sizes():
+    choice = profiles.choose("03_prefill_decode", lab("03_prefill_decode"), 2 * GiB)
+    assert choice.gb is None and choice.sizes == {} and choice.peak < MEMORY_HEADROOM * 2 * GiB
+    assert "no GPU profile fits; the CPU sizes" in choice.line("NVIDIA T4")
+
+
+def test_chapter_1_s_peak_covers_the_eager_scores_its_own_check_refuses():
+    """Where the profile fits, decode.check_uncached_step_fits (the same headroom) must not refuse it."""
+    values = lab("01_cache_contents") | profiles.profile("01_cache_contents", 16)
+    longest = max(values["history_lengths"])
+    model = tiny_model(layers=1, hidden=64, heads=values["heads"], kv_heads=values["kv_heads"], vocab=32)
+    assert profiles.peak_bytes("01_cache_contents", values) > eager_scores_bytes(model, longest + 1)
+
+
+def test_chapter_3_s_decode_sweep_counts_every_points_cache():
+    values = lab("03_prefill_decode") | profiles.profile("03_prefill_decode", 80)
+    fewer = values | {"batch_sizes": [1, 8]}
+    # 32 and 128 sequences of 1,024 tokens at 128 KiB a token: 20 GiB less
+    saved = profiles.peak_bytes("03_prefill_decode", values) - profiles.peak_bytes("03_prefill_decode", fewer)
+    assert saved >= (32 + 128) * 1024 * 128 * 2**10
+
+
+def test_every_gpu_sized_lab_calls_gpu_sizes_after_its_imports_with_no_output():
+    for chapter in profiles.gpu_sized():
+        cells = json.loads((BOOK / chapter / "lab.ipynb").read_text())["cells"]
+        calls = [i for i, c in enumerate(cells) if "gpu_sizes(" in "".join(c["source"])]
+        assert len(calls) == 1, chapter
+        cell = cells[calls[0]]
+        assert f'gpu_sizes("{chapter}", globals(), kvlab.pick_device())' in "".join(cell["source"])
+        assert cell["outputs"] == [], f"{chapter}: on a CPU the profile cell prints nothing"
+        imports = next(i for i, c in enumerate(cells) if "import kvlab\n" in "".join(c["source"]))
+        assert calls[0] == imports + 2 and cells[imports + 1]["cell_type"] == "markdown", chapter
+
+
+def test_the_docs_table_is_the_profile_table():
+    text = (ROOT / "docs" / "running.md").read_text()
+    start, end = (text.index(m) for m in profiles.TABLE_MARKS)
+    assert text[start + len(profiles.TABLE_MARKS[0]) : end].strip() == profiles.markdown_table(
+        profiles.profile_table()
+    ), "run python -m kvlab.book.profiles --write-table docs/running.md"
+
+
+def test_a_bad_profile_is_a_one_line_error(tmp_path):
+    data = {"03_prefill_decode": {"hidden": 1024, "profiles": {32: {"hidden": 512}}}}
+    with pytest.raises(ValueError, match=r"03_prefill_decode: no profile \[32\]"):
+        profiles.profile("03_prefill_decode", 16, data)
+    data = {"03_prefill_decode": {"hidden": 1024, "profiles": {40: {"hidden": 512}, 16: {"layers": 2}}}}
+    assert profiles.profile("03_prefill_decode", 24, data) == {"hidden": 512}
+    assert profiles.profile("03_prefill_decode", 16, data) == {"hidden": 512, "layers": 2}
