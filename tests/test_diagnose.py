@@ -36,8 +36,8 @@ def test_a_paged_engine_reserves_nothing_for_max_model_len():
 
 
 def test_a_pool_below_max_model_len_stops_a_paged_engine_at_start_up():
-    """vLLM refuses to start when one max_model_len request does not fit the pool (check_enough_kv_cache_memory in
-    vllm/v1/core/kv_cache_utils.py, 0.33.0): on an L4 the 8B model's pool is far below 131,072 tokens."""
+    """vLLM refuses to start when one max_model_len request does not fit the pool (_check_enough_kv_cache_memory in
+    vllm/v1/core/kv_cache_planning.py, 0.33.0): on an L4 the 8B model's pool is far below 131,072 tokens."""
     d = diagnose(Deployment(LLAMA, "L4", 160, 340, concurrency=8))
     lever = d.first
     pool = budget.memory_budget(LLAMA, "L4").max_tokens()
