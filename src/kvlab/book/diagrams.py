@@ -171,14 +171,11 @@ def budget_terms(budget: MemoryBudget) -> list[tuple[str, int, str]]:
         raise ValueError(
             f"the budget does not fit: its terms exceed the capacity by {format_bytes(-budget.kv_headroom_bytes)}"
         )
+    # The rule's own terms (`MemoryBudget.stack`), labelled by name; a utilisation share also by its setting
     util = budget.gpu_memory_utilization
-    terms = [
-        ("driver reserve", budget.driver_reserved_bytes, ""),
-        ("engine cap", budget.engine_cap_bytes, f"1 − {util:g}"),
-        ("non-torch", budget.runtime_bytes, ""),
-        ("weights", budget.weight_bytes, ""),
-        ("activations", budget.peak_bytes, ""),
-        ("CUDA graphs", budget.cuda_graph_bytes, ""),
+    shares = {"engine cap": f"1 − {util:g}", "utilisation cap": f"at {util:g}"}
+    terms = [(name, value, shares.get(name, "")) for name, value, _ in budget.stack()]
+    terms += [
         ("KV pool", budget.kv_pool_bytes, f"{budget.num_blocks:,} blocks of {budget.block_size}"),
         ("block rounding", budget.rounding_bytes, ""),
     ]
