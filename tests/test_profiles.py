@@ -134,3 +134,55 @@ def test_a_bad_profile_is_a_one_line_error(tmp_path):
     data = {"03_prefill_decode": {"hidden": 1024, "profiles": {40: {"hidden": 512}, 16: {"layers": 2}}}}
     assert profiles.profile("03_prefill_decode", 24, data) == {"hidden": 512}
     assert profiles.profile("03_prefill_decode", 16, data) == {"hidden": 512, "layers": 2}
+
+
+# The device each profile is named after, from kvlab.specs.hardware's datasheet table
+DEVICES = {16: "T4", 24: "L4", 40: "A100-40GB", 80: "H100-SXM"}
+# A generous fixed cost of a step or forward of these 4- and 8-layer models on a GPU (launches, dispatch)
+LAUNCHES_S = 2e-3
+
+
+@pytest.mark.parametrize("gb", sorted(DEVICES))
+def test_chapter_12_s_transfer_outweighs_the_step_at_every_profile(gb):
+    """The claim 'transfer >= 20 % of the step' at the profile each device picks: predicted from its datasheet's
+    host link and HBM bandwidth, with a step of 2 ms of launches on top, the transfer is at least twice that."""
+    from kvlab.costs import roofline
+    from kvlab.models import tiny_config
+    from kvlab.offload.cost import offload_cost
+    from kvlab.specs import hardware
+
+    chapter = "12_beyond_hbm"
+    values = lab(chapter) | profiles.choose(chapter, lab(chapter), profiles.TYPICAL_FREE[gb]).sizes
+    config = tiny_config(
+        "llama", **{k: values[k] for k in ("layers", "hidden", "heads", "kv_heads", "vocab")}
+    )
+    spec = hardware.get(DEVICES[gb])
+    context, batch = max(values["contexts"]) + values["new_tokens"] // 2, values["batch"]
+    link = {"h2d": spec.host_link_bytes_per_s}
+    transfer = offload_cost(config, context, len(values["offloaded"]), "host", link, batch, "bf16").seconds
+    step = roofline.decode_step(config, spec, batch, context, dtype="bf16").time_s + LAUNCHES_S
+    assert transfer / (transfer + step) >= 2 * 0.2, (gb, transfer, step)
+
+
+@pytest.mark.parametrize("gb", sorted(DEVICES))
+def test_chapter_3_s_prefill_long_end_is_work_at_every_profile(gb):
+    """At the profile each device picks, the second-longest prompt's prefill is predicted (datasheet FLOP/s and
+    bandwidth) to be at least timing.PREFILL_DOMINANCE x a generous fixed cost: the growth claims are held."""
+    from kvlab.costs import roofline
+    from kvlab.experiments.timing import PREFILL_DOMINANCE
+    from kvlab.models import tiny_config
+    from kvlab.specs import hardware
+
+    chapter = "03_prefill_decode"
+    values = lab(chapter) | profiles.choose(chapter, lab(chapter), profiles.TYPICAL_FREE[gb]).sizes
+    config = tiny_config(
+        "llama", **{k: values[k] for k in ("layers", "hidden", "heads", "kv_heads", "vocab")}
+    )
+    second = sorted(values["prompt_lens"])[-2]
+    work = roofline.prefill(config, hardware.get(DEVICES[gb]), 1, second, dtype="bf16").time_s
+    assert work >= PREFILL_DOMINANCE * LAUNCHES_S, (gb, work)
+    # at the CPU sizes a GPU is launch-bound: the lab then says so instead of missing every attempt
+    cpu = lab(chapter)
+    small = tiny_config("llama", **{k: cpu[k] for k in ("layers", "hidden", "heads", "kv_heads", "vocab")})
+    second = sorted(cpu["prompt_lens"])[-2]
+    assert roofline.prefill(small, hardware.get(DEVICES[gb]), 1, second, dtype="bf16").time_s < LAUNCHES_S

@@ -2,6 +2,7 @@
 and what each check decides on numbers chosen by hand (no timing decides a test here)."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -52,6 +53,27 @@ def test_the_floor_allows_reads_half_again_faster_and_the_overhead_paid_in_full_
     assert band.holds and band.name == "batch 1, context 16: measured/predicted"
     assert not timing.prediction_band(row(1, 16, 6.9e-3, 10e-3, 1e-3), True, 2).holds
     assert not timing.prediction_band(row(1, 16, 20.1e-3, 10e-3, 1e-3), True, 2).holds
+
+
+def test_a_launch_bound_gpu_floor_allows_the_hollow_steps_spread():
+    """On a GPU at sizes where launches set the time, the model's fastest step is one more sample of the hollow
+    twin's: it may come in under the hollow twin's fastest by their spread, not by more (a clock that misses
+    the kernels)."""
+    spread = dict(overhead_spread_s=0.05e-3)
+    # 1 ms of launches (the hollow steps 1.00-1.10 ms, median 1.05), 0.01 ms of work: predicted 1.01 ms
+    drew_faster = replace(row(1, 16, 0.98e-3, 1.01e-3, 1e-3), **spread)
+    assert not timing.prediction_band(row(1, 16, 0.98e-3, 1.01e-3, 1e-3), False, 2).holds, "the coin flip"
+    assert timing.prediction_band(drew_faster, False, 2).holds
+    assert timing.prediction_floor(drew_faster, on_cpu=False) == pytest.approx(0.95 / 1.01)
+    missed_the_kernels = replace(row(1, 16, 0.1e-3, 1.01e-3, 1e-3), **spread)
+    assert not timing.prediction_band(missed_the_kernels, False, 2).holds
+    # where the work sets the time the spread changes nothing, and a CPU keeps the overhead whole
+    worked = replace(row(1, 16, 8e-3, 10e-3, 1e-3), **spread)
+    assert timing.prediction_floor(worked, on_cpu=False) == pytest.approx(0.6)
+    assert timing.prediction_floor(worked, on_cpu=True) == pytest.approx(0.7)
+    # the spread is the hollow steps' median less their fastest
+    hollow = timing.StepOverhead(timing.StepTiming(1, 1, (1.10e-3, 1.00e-3, 1.05e-3)), 2, 0.0)
+    assert hollow.spread_s == pytest.approx(0.05e-3)
 
 
 def test_probe_bytes_follow_the_weights_within_limits():
@@ -214,9 +236,14 @@ def test_batch_cost_sits_at_the_geometric_midpoint_of_shared_and_unshared_reads(
     )
 
 
-def prefill_sweep(ttft_s, step_s):
+def prefill_sweep(ttft_s, step_s, overhead_s=None, flops=None, on_cpu=True):
+    """A prefill sweep; with `overhead_s` the fixed cost measured, and each prompt's work `flops` per token
+    at 1 FLOP/s (seconds per token)."""
     prefills = tuple(timing.StepTiming(1, p, (t,)) for p, t in ttft_s.items())
-    return timing.PrefillSweep(prefills, timing.StepTiming(1, min(ttft_s), (step_s,)))
+    overhead = None if overhead_s is None else timing.StepTiming(1, min(ttft_s), (overhead_s,))
+    work = {p: p * flops for p in ttft_s} if flops else {}
+    step = timing.StepTiming(1, min(ttft_s), (step_s,))
+    return timing.PrefillSweep(prefills, step, overhead, work, on_cpu)
 
 
 def test_prefill_checks():
@@ -237,12 +264,43 @@ def test_prefill_checks():
         timing.sweep_prefill(tiny_model(config=CONFIG, device="cpu"), [64, 16, 256])
 
 
+LENS = (16, 64, 256, 1024, 2048)
+
+
+def test_the_prefill_growth_is_held_only_where_the_long_end_is_work():
+    """A small model on a GPU: every prefill costs its launches (0.5 ms), the work is microseconds. The growth
+    claims would miss every attempt; the sweep says it is launch-bound and holds the claims that remain true."""
+    launch_bound = prefill_sweep({p: 0.5e-3 + p * 1e-8 for p in LENS}, 0.4e-3, 0.5e-3, 1e-8, on_cpu=False)
+    assert launch_bound.dominance() == pytest.approx(1024e-8 / 0.5e-3)
+    assert launch_bound.regime().startswith("launch-bound at these sizes: the 1,024-token prefill's")
+    checks = timing.check_prefill(launch_bound)
+    assert [c.name for c in checks] == [
+        "a short prompt pays a fixed floor",
+        "prefill over one token at a time",
+    ]
+    assert failed(checks) == []
+    # the same numbers on a CPU: the sizes must make the long end work, or CI would never check the growth
+    on_cpu = replace(launch_bound, on_cpu=True)
+    assert failed(timing.check_prefill(on_cpu)) == ["the CPU sizes make the long end work"]
+    # where the work is predicted to dominate, a TTFT that does not grow misses (the claim still catches it)
+    flat = prefill_sweep({p: 4e-3 + p * 1e-7 for p in LENS}, 2.3e-3, 1e-3, 1e-5)
+    assert flat.work_bound() and flat.regime().startswith("work-bound: the 1,024-token prefill's")
+    assert failed(timing.check_prefill(flat)) == [
+        "TTFT grows with the prompt",
+        "the long end is compute-bound",
+    ]
+
+
 def test_prefill_sweep_measures_every_length_in_rounds():
     model = tiny_model(config=CONFIG, device="cpu")
     s = timing.sweep_prefill(model, [4, 8, 16], repeat=2, rounds=2, step_repeat=1)
     assert s.prompt_lens == [4, 8, 16] and all(len(p.seconds) == 4 for p in s.prefills)
     assert len(s.step.seconds) == 2 and s.step.tokens == 4
-    assert len(timing.check_prefill(s)) == 4
+    assert len(s.overhead.seconds) == 2 and set(s.work_s) == {4, 8, 16}
+    assert s.on_cpu and 0 < s.work_s[4] < s.work_s[8] < s.work_s[16] and s.overhead_s > 0
+    # 4 checks, and on a CPU whether the sizes make the long end work
+    names = [c.name for c in timing.check_prefill(s)]
+    assert names[0] == "the CPU sizes make the long end work" and len(names) in (3, 5)
 
 
 def recompute_sweep(times, overhead_s, on_cpu=True):
