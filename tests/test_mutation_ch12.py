@@ -6,10 +6,15 @@ mutant layers write their blocks to disk and re-read them from disk when the tra
 bandwidth is measured as usual, but their decode steps serve the K/V from a copy kept in RAM: a cache that claims
 the tier and does not pay for it. A second mutant reads its blocks twice in every decode step (and once when the
 transfers are timed): a cache that pays for its transfer twice. The band must reject both.
+
+The reload claim (`kvlab.offload.reload.check_reload`) goes through `measure_claim` with the lab's prompt and
+attempts, its prediction made wrong by a factor of 2 either way, for the recompute and for the reload: each of the
+four must miss on every attempt.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -20,6 +25,7 @@ from kvlab import claims, models
 from kvlab.offload.cache import DiskLayer, OffloadedCache
 from kvlab.offload.cost import check_offload, measure_offload
 from kvlab.offload.loop import decode_lockstep, random_prompt
+from kvlab.offload.reload import check_reload, predict_reload, time_reload
 
 pytestmark = [pytest.mark.slow, pytest.mark.timed]
 
@@ -130,3 +136,20 @@ def test_a_cache_that_reads_its_tier_twice_fails_the_band(model):
     assert not result.holds
     missed = {check.name for check in result.attempts[-1].misses}
     assert BAND in missed, missed
+
+
+@pytest.mark.parametrize("side", ["recompute_s", "reload_s"])
+@pytest.mark.parametrize("factor", [2.0, 0.5])
+def test_a_reload_prediction_twice_or_half_the_truth_fails(model, side, factor):
+    ids = random_prompt(256, 1, 1024)
+
+    def wrong(timing):
+        right = predict_reload(timing, model.config)
+        return check_reload(timing, dataclasses.replace(right, **{side: getattr(right, side) * factor}))
+
+    result = claims.measure_claim(
+        "recompute or reload", lambda: time_reload(model, ids, 5), wrong, attempts=3, log=None
+    )
+    assert not result.holds and result.count == 3
+    name = f"{side.removesuffix('_s')}: measured / predicted"
+    assert all(name in {c.name for c in attempt.misses} for attempt in result.attempts)

@@ -35,15 +35,16 @@ from kvlab.offload.loop import (
     timed_decode,
 )
 from kvlab.offload.reload import (
+    RELOAD_BAND,
     break_even_flops_per_byte,
     check_reload,
-    predicted_reload_speedup,
+    predict_reload,
     prefill_cache,
     prefill_flops_per_kv_byte,
     recompute_vs_reload,
     time_reload,
 )
-from kvlab.offload.saved_kv import load_kv, save_kv
+from kvlab.offload.saved_kv import load_kv, read_saved, save_kv, staging_buffer
 from kvlab.offload.tiers import (
     CLUSTER_LINKS,
     LINKS,
@@ -585,18 +586,48 @@ def test_time_and_check_reload(model, tmp_path):
     timing = time_reload(model, ids, repeat=2, directory=tmp_path)
     assert timing.saved.nbytes == sizing.kv_cache_bytes(model.config, 64)
     assert timing.same_next_token and timing.recompute_s > 0 and timing.reload_s > 0
+    assert timing.prompt_len == 64 and timing.half_prefill_s > 0 and timing.read_s > 0
+    assert timing.copy_bytes_per_s > 0 and timing.fresh_reload_s > 0
     assert timing.speedup == timing.recompute_s / timing.reload_s
     assert _leftovers(tmp_path) == []
-    estimate = recompute_vs_reload(model.config, hardware.get("H100-SXM"), 1e9, 64, "fp32", "fp32")
-    predicted = predicted_reload_speedup(estimate, 1e-4)
-    assert predicted == pytest.approx(estimate.recompute_s / (estimate.reload_s + 1e-4))
-    (check,) = check_reload(timing, estimate, 1e-4)
-    assert check.name == "the model picks the same winner as the stopwatch"
-    assert check.holds == ((predicted > 1) == (timing.speedup > 1))
-    flipped = dataclasses.replace(timing, reload_s=timing.recompute_s * (0.5 if predicted < 1 else 2.0))
-    assert not check_reload(flipped, estimate, 1e-4)[0].holds
-    with pytest.raises(ValueError, match="latency_s"):
-        predicted_reload_speedup(estimate, -1.0)
+    predicted = predict_reload(timing, model.config)
+    flops = [roofline.prefill(model.config, "H100-SXM", 1, n).flops for n in (64, 32)]
+    assert predicted.recompute_s == pytest.approx(timing.half_prefill_s * flops[0] / flops[1])
+    assert predicted.reload_s == pytest.approx(timing.read_s + timing.saved.nbytes / timing.copy_bytes_per_s)
+    # a measurement exactly as predicted holds; one off by the band's factor or more, either way, misses
+    exact = dataclasses.replace(timing, recompute_s=predicted.recompute_s, reload_s=predicted.reload_s)
+    checks = check_reload(exact, predicted)
+    assert [c.name for c in checks] == [
+        "recompute: measured / predicted",
+        "reload: measured / predicted",
+        "the model picks the same winner as the stopwatch",
+    ] and all(c.holds for c in checks)
+    for field in ("recompute_s", "reload_s"):
+        for factor in (RELOAD_BAND * 1.01, 1 / RELOAD_BAND / 1.01):
+            off = dataclasses.replace(exact, **{field: getattr(exact, field) * factor})
+            assert [c.holds for c in check_reload(off, predicted)][:2].count(False) == 1
+    flipped = dataclasses.replace(exact, reload_s=exact.recompute_s * (0.5 if predicted.speedup < 1 else 2.0))
+    assert not check_reload(flipped, predicted)[2].holds
+    with pytest.raises(ValueError, match="band"):
+        check_reload(timing, predicted, band=1.0)
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        time_reload(model, ids[:, :1], repeat=1, directory=tmp_path)
+
+
+def test_load_kv_reads_into_a_kept_staging_buffer(model, tmp_path):
+    saved = save_kv(prefill_cache(model, _ids(40)), tmp_path / "p.kv")
+    staging = staging_buffer(saved)
+    try:
+        first, again = load_kv(saved, "cpu", staging), load_kv(saved, "cpu", staging)
+        plain = load_kv(saved, "cpu")
+        for a, b, c in zip(first.layers, again.layers, plain.layers, strict=True):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, c.values)
+            # the cache owns its tensors: the next read into the staging buffer cannot change them
+            assert a.keys.data_ptr() != b.keys.data_ptr()
+        with pytest.raises(ValueError, match="the buffer holds"):
+            read_saved(saved, aligned_buffer(4096))
+    finally:
+        staging.close()
 
 
 def test_prefill_cache_holds_the_prompt(model):

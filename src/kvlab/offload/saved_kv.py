@@ -9,6 +9,7 @@ Chapter *Beyond HBM* (book/12_beyond_hbm).
 from __future__ import annotations
 
 import math
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,25 +68,59 @@ def save_kv(cache: Cache, path: str | os.PathLike[str]) -> SavedKV:
     return SavedKV(target, tuple(shapes), dtype, payload, len(blob))
 
 
-def load_kv(saved: SavedKV, device: str | torch.device | None = None) -> DynamicCache:
-    """Read a `save_kv` file back (O_DIRECT) into a `DynamicCache` on `device`."""
-    fd, direct = open_direct(saved.path, os.O_RDONLY)
+def staging_buffer(saved: SavedKV) -> mmap.mmap:
+    """An aligned host buffer for `saved`'s file, every page touched: what an engine allocates once and reads
+    every reload into (`load_kv(..., staging=)`). A buffer mapped afresh for each reload faults each 4 KiB page
+    in as the read fills it, a cost the drive's bandwidth does not show."""
     buf = aligned_buffer(saved.file_bytes)
+    view = memoryview(buf)
+    try:
+        view[:] = bytes(len(buf))
+    finally:
+        view.release()
+    return buf
+
+
+def read_saved(saved: SavedKV, buffer: mmap.mmap) -> None:
+    """Read `saved`'s whole file into `buffer` (at least `file_bytes` long) with O_DIRECT, in aligned requests."""
+    if len(buffer) < saved.file_bytes:
+        raise ValueError(f"the buffer holds {len(buffer):,} bytes; {saved.path} has {saved.file_bytes:,}")
+    fd, direct = open_direct(saved.path, os.O_RDONLY)
     try:
         if not direct:
             drop_page_cache(fd)
-        got = read_full(fd, buf, 0)
-        if got != saved.file_bytes:
-            raise OSError(f"read {got} of {saved.file_bytes} bytes from {saved.path}")
-        raw = torch.frombuffer(buf, dtype=torch.uint8, count=saved.file_bytes).clone()
+        got = read_full(fd, memoryview(buffer)[: saved.file_bytes], 0)
     finally:
         os.close(fd)
-        buf.close()
-    target = pick_device(device)
+    if got != saved.file_bytes:
+        raise OSError(f"read {got} of {saved.file_bytes} bytes from {saved.path}")
+
+
+def _cache_from(saved: SavedKV, buffer: mmap.mmap, device: torch.device) -> DynamicCache:
+    """The cache `buffer` holds, copied once into tensors of its own on `device` (DynamicCache concatenates what
+    it is given into new tensors)."""
+    raw = torch.frombuffer(buffer, dtype=torch.uint8, count=saved.file_bytes)
     data, offset = [], 0
     for shape in saved.shapes:
         n = 2 * math.prod(shape) * saved.dtype.itemsize
-        kv = raw[offset : offset + n].view(saved.dtype).view(2, *shape).to(target)
+        kv = raw[offset : offset + n].view(saved.dtype).view(2, *shape).to(device)
         data.append((kv[0], kv[1]))
         offset += n + (-n % ALIGN)
     return DynamicCache(data)
+
+
+def load_kv(
+    saved: SavedKV, device: str | torch.device | None = None, staging: mmap.mmap | None = None
+) -> DynamicCache:
+    """Read a `save_kv` file back (O_DIRECT) into a `DynamicCache` on `device`: one read and one copy.
+
+    `staging` (`staging_buffer`) is read into and kept, as an engine keeps its host buffer; without it a buffer
+    is mapped for this call alone, and its page faults are part of the reload."""
+    target = pick_device(device)
+    buffer = staging if staging is not None else aligned_buffer(saved.file_bytes)
+    try:
+        read_saved(saved, buffer)
+        return _cache_from(saved, buffer, target)
+    finally:
+        if staging is None:
+            buffer.close()
