@@ -153,3 +153,70 @@ def test_a_hybrid_log_is_explained_page_by_page(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "a hybrid model (vLLM set its attention block to 544 tokens)" in out
     assert "3.71x" not in out
+
+
+# vLLM 0.34.0's start-up lines, written with the format strings of vllm/v1/worker/extensible_kv_cache.py
+# (measure_kv_cache_blocks, extend_kv_cache) and vllm/v1/worker/gpu_worker.py (the graph pool line).
+LOG_034 = """\
+INFO [__init__.py:200] Initializing a V1 LLM engine (v0.34.0) with config: model='meta-llama/Llama-3.1-8B', \
+dtype=torch.bfloat16, max_seq_len=8192, tensor_parallel_size=1, enforce_eager=False
+INFO [gpu_worker.py:800] Available KV cache memory: 60.12 GiB
+INFO [gpu_worker.py:1113] CUDA graph pool memory: 0.84 GiB (actual), 1.02 GiB (estimated), difference: 0.18 GiB (21.4%).
+WARNING [extensible_kv_cache.py:670] gpu_memory_utilization=0.92 caps this instance at 72.85 GiB, keeping 4.2 GiB \
+of free device memory out of the KV cache. The extensible KV cache is sized from the memory measured after warmup
+INFO [extensible_kv_cache.py:690] Memory after warmup: 62.5 GiB free, 0.02 GiB committed to the KV cache, 2.9 GiB \
+kept for transient activations (2.9 GiB allocated at peak, 2.1 GiB of torch reservation growth); 6814 KV cache \
+blocks (53.23 GiB) fit within the requested 72.85 GiB. Torch may reserve up to 20.1 GiB.
+INFO [extensible_kv_cache.py:540] Extended KV cache to 6814 blocks (53.23 GiB).
+INFO [kv_cache_utils.py:1000] GPU KV cache size: 436,096 tokens
+"""
+
+
+def test_a_034_log_is_explained_term_by_term_with_its_lever(tmp_path, capsys):
+    path = tmp_path / "v034.log"
+    path.write_text(LOG_034)
+    log = vllm_log.parse(LOG_034)
+    assert log.measured and log.extended_blocks == 6814 and log.graph_actual is not None
+    assert cli.main(["explain-vllm", str(path), "--gpu-memory-gib", "79.6"]) == 0
+    out = capsys.readouterr().out
+    # headroom = 62.5 + 0.02; margin = max(1, 0.75 × 2.9) = 2.175; 4.2 GiB withheld by the utilisation:
+    # KV = 62.52 - 2.175 - 2.9 - 4.2 = 53.245 GiB, the 6,814 blocks of 8 MiB (53.23 GiB) vLLM printed
+    assert "headroom             62.52 GiB" in out and "- margin             2.17 GiB" in out
+    assert "- utilisation cap    4.20 GiB" in out
+    assert "= KV                 53.24 GiB" in out and "6,814 blocks (53.23 GiB), extended to 6,814" in out
+    assert "measured KV pool" in out and "only the address space reserved" in out
+    lever = next(line for line in out.splitlines() if "lever:" in line)
+    assert "leave gpu_memory_utilization unset" in lever and "4.20 GiB" in lever
+
+
+def test_a_034_log_without_its_measured_lines_says_what_is_missing(tmp_path, capsys):
+    text = "\n".join(
+        line for line in LOG_034.splitlines() if "Memory after warmup" not in line and "blocks (" not in line
+    )
+    path = tmp_path / "partial.log"
+    path.write_text(text + "\n")
+    assert cli.main(["explain-vllm", str(path), "--gpu-memory-gib", "79.6"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "lacks" in line]
+    assert len(lines) == 1 and "'Memory after warmup: ...'" in lines[0] and "only the reservation" in lines[0]
+
+
+def test_a_log_mixing_versions_gets_one_line(tmp_path, capsys):
+    mixed = LOG_034 + "INFO worker.py:1 # GPU blocks: 1952, # CPU blocks: 2048\n"
+    path = tmp_path / "mixed.log"
+    path.write_text(mixed)
+    assert cli.main(["explain-vllm", str(path), "--gpu-memory-gib", "79.6"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "mixed versions" in line]
+    assert len(lines) == 1 and "# GPU blocks" in lines[0] and "Memory after warmup" in lines[0]
+    # 0.34's lines in a log that says it is 0.33
+    older = LOG_034.replace("(v0.34.0)", "(v0.33.0)")
+    (tmp_path / "older.log").write_text(older)
+    assert cli.main(["explain-vllm", str(tmp_path / "older.log"), "--gpu-memory-gib", "79.6"]) == 0
+    assert "pass --vllm-version 0.34" in capsys.readouterr().out
+
+
+def test_explain_takes_a_version_for_a_log_that_prints_none(capsys):
+    log = DATA / "rtx3090-llama31-8b-20k.log"
+    assert cli.main(["explain-vllm", str(log), "--vllm-version", "0.6.4"]) == 0
+    with pytest.raises(SystemExit) as err:
+        cli.main(["explain-vllm", str(log), "--vllm-version", "nonsense"])
+    assert err.value.code == 2 and "not a vLLM release" in capsys.readouterr().err

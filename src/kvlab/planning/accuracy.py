@@ -322,7 +322,9 @@ def page_table(found: list[Row]) -> str:
         if r.predicted:
             tail = f"{_gib(r.expected)} | {_gib(r.floor)} | {r.error:+.1%}"
         else:
-            tail = f"— | — | not predicted: {r.why.replace('|', '/')}"
+            # ASCII double quotes would read as closing marks beside CJK text in the Chinese twin
+            why = r.why.replace("|", "/").replace('"', "'")
+            tail = f"— | — | not predicted: {why}"
         lines.append(
             f"| {r.slug} | {r.half} | {r.version} | {r.rule.replace('|', '/')} | {r.gpu} | {r.model} | {r.tp} "
             f"| {terms} | {_gib(r.vllm_pool)} | {tail} |"
@@ -347,3 +349,56 @@ def summary_lines(found: list[Row]) -> str:
         "| — | — | — |"
     )
     return "\n".join(out)
+
+
+PAGES = (
+    Path(__file__).resolve().parents[3] / "book" / "appendix_accuracy" / "index.md",
+    Path(__file__).resolve().parents[3] / "book" / "zh" / "appendix_accuracy.md",
+)
+_BLOCK = "<!-- accuracy:{name} -->\n{body}\n<!-- /accuracy:{name} -->"
+
+
+def render(page: str, found: list[Row]) -> str:
+    """`page` with its generated blocks (between `<!-- accuracy:NAME -->` markers) recomputed from `found`."""
+    import re
+
+    blocks = {
+        "summary": summary_lines(found),
+        "table": page_table(found),
+        "estimates": estimates_table(),
+    }
+    for name, body in blocks.items():
+        pattern = re.compile(rf"<!-- accuracy:{name} -->\n.*?\n<!-- /accuracy:{name} -->", re.DOTALL)
+        if not pattern.search(page):
+            raise ValueError(f"the page has no <!-- accuracy:{name} --> block")
+        block = _BLOCK.format(name=name, body=body)
+        page = pattern.sub(lambda _, block=block: block, page)
+    return page
+
+
+def estimates_table() -> str:
+    """The central and floor value of each estimate, side by side."""
+    rows = ["| estimate | central (expected pool) | floor (lower bound) |", "|---|--:|--:|"]
+    for field in dataclasses.fields(budget.Estimates):
+        central, floor = getattr(budget.CENTRAL, field.name), getattr(budget.FLOOR, field.name)
+        in_mib = field.name.endswith("_bytes")
+        cells = [f"{v / MiB:,.0f} MiB" if in_mib else f"{v}" for v in (central, floor)]
+        rows.append(f"| {field.name} | {cells[0]} | {cells[1]} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvlab.planning.accuracy [--write]`: print the summary, or rewrite the appendix pages' tables."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    found = rows()
+    if "--write" in args:
+        for path in PAGES:
+            path.write_text(render(path.read_text(), found))
+    print(summary_lines(found))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -250,7 +250,7 @@ def explain(
             mb.driver_reserved_bytes if known and mb else None,
             "none: vLLM printed CUDA's own total"
             if printed_total
-            else f"estimate: NVML's total less CUDA's ({budget.DRIVER_RESERVED_BYTES // 2**20} MiB)",
+            else f"estimate: NVML's total less CUDA's ({budget.CENTRAL.driver_reserved_bytes // 2**20} MiB)",
         ),
         Term(
             "engine reserve",
@@ -429,7 +429,13 @@ def measured_lines(log: StartupLog, mb: budget.MemoryBudget | None, version: str
         f"    - transient kept     {_gib(kept)}   max(allocated peak {_gib(peak)}, torch growth {_gib(growth)})",
     ]
     device = headroom - margin - kept.bytes
-    if log.startup_free is not None and log.requested is not None:
+    if log.withheld is not None:
+        device -= log.withheld.bytes
+        out.append(
+            f"    - utilisation cap    {_gib(log.withheld)}   gpu_memory_utilization {log.gpu_memory_utilization} "
+            "withholds it (vLLM's warning)"
+        )
+    elif log.startup_free is not None and log.requested is not None:
         used = log.startup_free.bytes - free.bytes - committed.bytes
         budget_side = log.requested.bytes - used - kept.bytes
         out.append(
@@ -439,7 +445,8 @@ def measured_lines(log: StartupLog, mb: budget.MemoryBudget | None, version: str
         device = min(device, budget_side)
     out.append(
         f"    = KV                 {device / 2**30:.2f} GiB   vLLM: {log.measured_blocks:,} blocks "
-        f"({_gib(log.measured_kv)}), extended to {log.extended_blocks or 'not printed'}"
+        f"({_gib(log.measured_kv)}), extended to "
+        + (f"{log.extended_blocks:,}" if log.extended_blocks is not None else "not printed")
         + (f" after remapping from {log.remapped_from_blocks:,}" if log.remapped_from_blocks else "")
     )
     if mb is not None and mb.sizing == "measured":
