@@ -38,7 +38,7 @@ from transformers import AttentionInterface
 
 from kvlab.costs.workloads import TraceRequest, synthetic_trace
 from kvlab.engine import LLMEngine
-from kvlab.engine.kv_pool import ATTN_IMPLEMENTATION, enable_paged_attention, paged_attention_forward
+from kvlab.engine.attention import ATTN_IMPLEMENTATION, enable_paged_attention, paged_attention_forward
 from kvlab.engine.metrics import mean_kv_utilisation, summarize
 from kvlab.env import env_report
 from kvlab.models import tiny_model

@@ -18,7 +18,9 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from kvlab.engine.kv_pool import KVPool, KVShape, PagedContext, paged_attention_forward, slots_for
+from kvlab.engine.attention import paged_attention_forward
+from kvlab.engine.context import PagedContext
+from kvlab.engine.kv_pool import KVPool, KVShape, slots_for
 from kvlab.env import env_report
 from kvlab.measure import percentiles, time_call
 from kvlab.units import cdiv

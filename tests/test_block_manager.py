@@ -3,34 +3,38 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kv_steps import admit, hit_table, table
 
 from kvlab.engine.block_manager import (
     NULL_BLOCK,
-    BlockAllocator,
     BlockManager,
     ContiguousBlockManager,
     blocks_per_request,
     longest_request,
 )
+from kvlab.engine.block_pool import BlockPool, hash_block_tokens
 from kvlab.engine.metrics import PrefixCacheStats
 from kvlab.engine.request import Request
 
 
 def check_invariants(bm: BlockManager, live: list[Request]) -> None:
-    alloc = bm.allocator
-    assert all(r >= 0 for r in alloc.ref_counts)
+    pool = bm.block_pool
+    assert all(r >= 0 for r in pool.ref_cnt)
     assert bm.num_free_blocks + bm.num_used_blocks == bm.num_blocks
     # A block is free exactly when nobody references it, and its count is the number of tables holding it.
     holders = [0] * bm.num_blocks
     for seq in live:
-        assert len(set(seq.block_table)) == len(seq.block_table)
-        for block_id in seq.block_table:
+        assert len(set(table(bm, seq))) == len(table(bm, seq))
+        for block_id in table(bm, seq):
             holders[block_id] += 1
-    assert holders == alloc.ref_counts
-    assert set(alloc.free) == {b for b, r in enumerate(alloc.ref_counts) if r == 0}
+    assert holders == pool.ref_cnt
+    assert set(pool.free_block_queue) == {b for b, r in enumerate(pool.ref_cnt) if r == 0}
     # The prefix cache maps each hash to the blocks carrying it (duplicates kept), and every hashed block is there.
-    assert all(blocks and all(alloc.hashes[b] == h for b in blocks) for h, blocks in bm.cached.items())
-    assert sum(h is not None for h in alloc.hashes) == bm.num_cached_blocks
+    index = pool.cached_block_hash_to_block
+    assert all(blocks and all(pool.block_keys[b] == h for b in blocks) for h, blocks in index.items())
+    assert sum(h is not None for h in pool.block_keys) == bm.num_cached_blocks
+    # Requests that hold no blocks leave no entry behind
+    assert all(set(m.req_to_blocks) == {s.request_id for s in live} for m in bm.managers)
 
 
 def free_all_and_check(bm: BlockManager, slots: dict[int, Request]) -> None:
@@ -55,7 +59,7 @@ def apply_ops(bm: BlockManager, ops, computed_before_grow) -> Iterator[dict[int,
         seq = slots.get(slot)
         if kind == "admit" and seq is None:
             seq = Request([2 + (slot * i) % 2 for i in range(n)])
-            if bm.allocate(seq, n) is not None:
+            if admit(bm, seq, n) is not None:
                 slots[slot] = seq
                 assert (
                     seq.num_computed_tokens % bm.block_size == 0 and seq.num_computed_tokens < seq.num_tokens
@@ -63,7 +67,7 @@ def apply_ops(bm: BlockManager, ops, computed_before_grow) -> Iterator[dict[int,
         elif kind == "grow" and seq is not None:
             seq.num_computed_tokens = min(computed_before_grow(seq, n), seq.num_tokens)
             seq.token_ids.extend([3] * n)
-            if not bm.append_slots(seq, seq.num_uncomputed_tokens):
+            if not bm.allocate_slots(seq, seq.num_uncomputed_tokens):
                 bm.free(seq)
                 del slots[slot]
         elif kind == "free" and seq is not None:
@@ -78,7 +82,7 @@ def test_block_manager_never_leaks(ops, prefix_caching, block_size):
     bm = BlockManager(num_blocks=12, block_size=block_size, enable_prefix_caching=prefix_caching)
     slots: dict[int, Request] = {}
     # Everything scheduled was computed
-    for slots in apply_ops(bm, ops, lambda seq, n: len(seq.block_table) * block_size):
+    for slots in apply_ops(bm, ops, lambda seq, n: len(table(bm, seq)) * block_size):
         check_invariants(bm, list(slots.values()))
     free_all_and_check(bm, slots)
 
@@ -87,8 +91,8 @@ def filled_slots_by_walk(bm: BlockManager, seqs: list[Request]) -> int:
     """`used_token_slots` by its definition: every block of every table, a shared block at its fullest."""
     filled: dict[int, int] = {}
     for seq in seqs:
-        for table in seq.block_tables:
-            for i, block_id in enumerate(table):
+        for blocks in bm.get_block_ids(seq.request_id):
+            for i, block_id in enumerate(blocks):
                 if block_id != NULL_BLOCK:
                     n = min(bm.block_size, max(0, seq.num_computed_tokens - i * bm.block_size))
                     filled[block_id] = max(filled.get(block_id, 0), n)
@@ -121,10 +125,10 @@ def test_contiguous_manager_reserves_runs_and_never_leaks(ops):
         seq = slots.get(slot)
         if kind == "admit" and seq is None:
             seq = Request([5] * min(n, 6))
-            if bm.allocate(seq, n) is not None:
+            if admit(bm, seq, n) is not None:
                 slots[slot] = seq
-                table = seq.block_table
-                assert table == list(range(table[0], table[0] + 4))  # one run of ceil(7 / 2) blocks
+                run = table(bm, seq)
+                assert run == list(range(run[0], run[0] + 4))  # one run of ceil(7 / 2) blocks
         elif kind == "free" and seq is not None:
             bm.free(seq)
             del slots[slot]
@@ -134,59 +138,60 @@ def test_contiguous_manager_reserves_runs_and_never_leaks(ops):
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.booleans(), max_size=60))
-def test_allocator_counts(actions):
-    alloc = BlockAllocator(5)
+def test_block_pool_counts(actions):
+    pool = BlockPool(5)
     held: list[int] = []
     for take in actions:
-        if take and alloc.num_free_blocks:
-            held.append(alloc.allocate())
+        if take and pool.num_free_blocks:
+            held += pool.get_new_blocks(1)
         elif held:
-            alloc.release(held.pop(0))
-        assert alloc.num_free_blocks + len(held) == 5
-    for block_id in held:
-        alloc.release(block_id)
-    assert alloc.num_free_blocks == 5
+            pool.free_blocks([held.pop(0)])
+        assert pool.num_free_blocks + len(held) == 5
+    pool.free_blocks(held)
+    assert pool.num_free_blocks == 5 and pool.num_evictions == 0
     with pytest.raises(ValueError):
-        alloc.release(0)
+        pool.free_blocks([0])
+    with pytest.raises(MemoryError):
+        pool.get_new_blocks(6)
 
 
 def test_prefix_hits_need_the_whole_chain():
     bm = BlockManager(num_blocks=16, block_size=2, enable_prefix_caching=True)
     first = Request([7, 8, 9, 10, 11])
-    assert bm.allocate(first, 5) == 5
+    assert admit(bm, first, 5) == 5
     same_head = Request([7, 8, 9, 10, 12, 13])
-    assert bm.cached_prefix(same_head) == first.block_table[:2]
+    assert hit_table(bm, same_head) == table(bm, first)[:2]
     # Block [9, 10] alone matches, but its parent differs: no hit.
-    assert bm.cached_prefix(Request([1, 2, 9, 10, 11])) == []
+    assert hit_table(bm, Request([1, 2, 9, 10, 11])) == []
     # A prompt made only of cached blocks still computes its last token.
-    assert bm.cached_prefix(Request([7, 8, 9, 10])) == first.block_table[:1]
+    assert hit_table(bm, Request([7, 8, 9, 10])) == table(bm, first)[:1]
 
 
 def test_freed_cached_blocks_are_reused_then_evicted_lru():
     bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
     a = Request([1, 2, 3, 4, 5])
-    bm.allocate(a, 5)
+    admit(bm, a, 5)
     bm.free(a)
-    assert bm.num_free_blocks == 4 and len(bm.cached) == 2
+    assert bm.num_free_blocks == 4 and len(bm.block_pool.cached_block_hash_to_block) == 2
     b = Request([1, 2, 3, 4, 6])
-    assert bm.allocate(b, 5) == 1  # four tokens came from the cache
+    assert admit(bm, b, 5) == 1  # four tokens came from the cache
     assert b.metrics.num_cached_tokens == 0  # the scheduler records it, not the manager
     assert bm.prefix_cache_stats == PrefixCacheStats(requests=2, queries=10, hits=4, hit_requests=1)
     bm.free(b)
     # New content needs all 4 blocks: the cached ones are evicted, oldest-freed first, and forgotten.
     c = Request([9] * 8)
-    assert bm.allocate(c, 8) == 8
-    assert bm.cached_prefix(Request([1, 2, 3, 4, 5])) == []
+    assert admit(bm, c, 8) == 8
+    assert hit_table(bm, Request([1, 2, 3, 4, 5])) == []
 
 
 def test_allocation_is_all_or_nothing():
     bm = BlockManager(num_blocks=3, block_size=2)
     seq = Request([1] * 5)
-    assert bm.allocate(seq, 5) == 5
+    assert admit(bm, seq, 5) == 5
     assert bm.num_free_blocks == 0
     other = Request([2] * 3)
-    assert bm.allocate(other, 3) is None
-    assert other.block_table == [] and bm.num_free_blocks == 0
+    assert admit(bm, other, 3) is None
+    assert table(bm, other) == [] and bm.num_free_blocks == 0
 
 
 def test_predicted_fragmentation_counts_last_block_waste_and_entries():
@@ -204,19 +209,19 @@ def test_predicted_fragmentation_counts_last_block_waste_and_entries():
 def test_num_cached_blocks_outlives_the_request():
     bm = BlockManager(8, 4, enable_prefix_caching=True)
     seq = Request(list(range(2, 12)))  # 10 tokens: 2 full blocks
-    bm.allocate(seq, 10)
+    admit(bm, seq, 10)
     assert bm.num_cached_blocks == 2
     bm.free(seq)
     assert bm.num_used_blocks == 0 and bm.num_cached_blocks == 2
 
 
-def test_block_hash_is_chained_stable_and_content_addressed():
-    from kvlab.engine.block_manager import block_hash
-
-    root = block_hash(None, [1, 2, 3, 4])
-    assert root == block_hash(None, [1, 2, 3, 4])  # not seeded per process, unlike hash()
-    assert root != block_hash(None, [1, 2, 3, 5])
-    assert block_hash(root, [5, 6, 7, 8]) != block_hash(block_hash(None, [9, 9, 9, 9]), [5, 6, 7, 8])
+def test_hash_block_tokens_is_chained_stable_and_content_addressed():
+    root = hash_block_tokens(None, [1, 2, 3, 4])
+    assert root == hash_block_tokens(None, [1, 2, 3, 4])  # not seeded per process, unlike hash()
+    assert root != hash_block_tokens(None, [1, 2, 3, 5])
+    assert hash_block_tokens(root, [5, 6, 7, 8]) != hash_block_tokens(
+        hash_block_tokens(None, [9, 9, 9, 9]), [5, 6, 7, 8]
+    )
     assert 0 < root < 2**128
 
 
@@ -224,15 +229,15 @@ def test_free_queue_order_matches_vllm():
     """vLLM 0.33.0 `BlockPool.free_blocks`: freed blocks without a hash go to the front (reused first), cached ones to
     the back in the order freed; a request's blocks are freed tail first. Expected orders derived by hand."""
     bm = BlockManager(num_blocks=6, block_size=2, enable_prefix_caching=True)
-    free = bm.allocator.free_order
+    free = bm.block_pool.free_order
     a = Request([1, 2, 3, 4, 5])  # blocks 0, 1 full (cached), block 2 partial
-    assert bm.allocate(a, 5) == 5 and a.block_table == [0, 1, 2] and free() == [3, 4, 5]
+    assert admit(bm, a, 5) == 5 and table(bm, a) == [0, 1, 2] and free() == [3, 4, 5]
     bm.free(a)  # freed 2, 1, 0: the partial 2 to the front; cached 1 then 0 to the back
     assert free() == [2, 3, 4, 5, 1, 0]
     b = Request([9, 9, 8, 8, 7, 7, 6])  # unrelated: takes the four uncached blocks first
-    assert bm.allocate(b, 7) == 7 and b.block_table == [2, 3, 4, 5] and free() == [1, 0]
+    assert admit(bm, b, 7) == 7 and table(bm, b) == [2, 3, 4, 5] and free() == [1, 0]
     c = Request([5, 5, 4])  # needs two blocks: evicts A's tail block 1 before its head block 0
-    assert bm.allocate(c, 3) == 3 and c.block_table == [1, 0] and bm.num_cached_blocks == 4  # b's 3 + c's 1
+    assert admit(bm, c, 3) == 3 and table(bm, c) == [1, 0] and bm.num_cached_blocks == 4  # b's 3 + c's 1
     bm.free(c)
     bm.free(b)
     # c freed 0 (partial, front) then 1 (cached, back); b freed 5 (partial, front), then 4, 3, 2 (cached, back).
@@ -240,19 +245,19 @@ def test_free_queue_order_matches_vllm():
     # Without prefix caching nothing is cached: every freed block goes to the front, last freed first.
     plain = BlockManager(num_blocks=4, block_size=2)
     d = Request([1, 2, 3, 4, 5])
-    plain.allocate(d, 5)
+    admit(plain, d, 5)
     plain.free(d)
-    assert plain.allocator.free_order() == [2, 1, 0, 3]
+    assert plain.block_pool.free_order() == [2, 1, 0, 3]
 
 
 def test_cache_salt_changes_every_block_hash():
     bm = BlockManager(num_blocks=16, block_size=2, enable_prefix_caching=True)
     tokens = [3, 4, 5, 6, 7]
     salted = Request(tokens, cache_salt="a")
-    assert bm.allocate(salted, 5) == 5
-    assert bm.cached_prefix(Request(tokens + [1], cache_salt="b")) == []
-    assert bm.cached_prefix(Request(tokens + [1])) == []
-    assert bm.cached_prefix(Request(tokens + [1], cache_salt="a")) == salted.block_table[:2]
+    assert admit(bm, salted, 5) == 5
+    assert hit_table(bm, Request(tokens + [1], cache_salt="b")) == []
+    assert hit_table(bm, Request(tokens + [1])) == []
+    assert hit_table(bm, Request(tokens + [1], cache_salt="a")) == table(bm, salted)[:2]
     with pytest.raises(ValueError, match="cache_salt"):
         Request(tokens, cache_salt=1)  # type: ignore[arg-type]
 
@@ -267,16 +272,16 @@ def test_sliding_group_frees_behind_the_window_and_hits_on_the_window_only():
         prefix_cache_retention_interval=None,
     )
     seq = Request(list(range(10, 30)))
-    assert bm.allocate(seq, 4) == 4  # tokens 0..3
+    assert admit(bm, seq, 4) == 4  # tokens 0..3
     seq.num_computed_tokens = 4
-    assert bm.append_slots(seq, 4)  # next query at 4 reads from token 0: nothing skipped yet
-    assert seq.block_table == [0, 1, 2, 3]
+    assert bm.allocate_slots(seq, 4)  # next query at 4 reads from token 0: nothing skipped yet
+    assert table(bm, seq) == [0, 1, 2, 3]
     seq.num_computed_tokens = 8
-    assert bm.append_slots(seq, 4)  # query at 8 reads tokens 4..: blocks 0, 1 (tokens 0..3) freed
-    assert seq.block_table[:2] == [NULL_BLOCK] * 2 and bm.num_used_blocks == 4
+    assert bm.allocate_slots(seq, 4)  # query at 8 reads tokens 4..: blocks 0, 1 (tokens 0..3) freed
+    assert table(bm, seq)[:2] == [NULL_BLOCK] * 2 and bm.num_used_blocks == 4
     # A later request with the same first 12 tokens hits on the blocks its window still reads (tokens 8..11).
     other = Request(list(range(10, 22)) + [99])
-    tables = bm.cached_tables(other)
+    tables = bm.get_computed_blocks(other).blocks
     assert tables[0][:4] == [NULL_BLOCK] * 4 and len(tables[0]) == 6
 
 
@@ -301,23 +306,3 @@ def test_max_concurrency_counts_a_sliding_group_at_its_window():
     hybrid = BlockManager(64, 4, windows=[None, 8])
     # The sliding group holds cdiv(8 - 1 + 16, 4) + 1 = 7 blocks however long the request grows.
     assert hybrid.max_concurrency(32, 16) == 64 / (8 + 7)
-
-
-@pytest.mark.parametrize("caching", [False, True])
-def test_slot_limit_marks_the_steps_that_need_no_block_work(caching):
-    bm = BlockManager(8, 16, enable_prefix_caching=caching)
-    seq = Request(list(range(2, 42)))  # 40 tokens, of which a first chunk of 20 computes
-    assert bm.allocate(seq, 20) == 20
-    # Without caching, the two blocks' 32 slots; with it, the step that fills block 1 must publish it.
-    assert seq.slot_limit == (31 if caching else 32)
-    seq.num_computed_tokens = 20
-    free = bm.num_free_blocks
-    assert bm.append_slots(seq, 11) and bm.num_free_blocks == free
-    assert bm.num_cached_blocks == caching
-    seq.num_computed_tokens = 31
-    assert bm.append_slots(seq, 2) and bm.num_free_blocks == free - 1
-    assert seq.slot_limit == (47 if caching else 48)
-    # Block 1 (tokens 16..31) filled at that step: with caching it is published now.
-    assert bm.num_cached_blocks == 2 * caching
-    bm.free(seq)
-    assert seq.slot_limit == 0

@@ -106,17 +106,17 @@ def test_block_table_shows_the_managers_tables_and_pool():
     manager, seqs = diagrams.paged_state()
     labels = by_gid(diagrams.block_table(manager, seqs))
     for seq in seqs:
-        for logical, block_id in enumerate(seq.block_table):
+        for logical, block_id in enumerate(manager.get_block_ids(seq.request_id)[0]):
             assert labels[f"table-{seq.request_id}-{logical}"] == f"#{block_id}"
             assert labels[f"pool-{block_id}"] == f"{seq.request_id} {logical}"
     states = [labels[f"pool-{b}"] for b in range(manager.num_blocks)]
-    allocator = manager.allocator
-    cached = [b for b in range(manager.num_blocks) if not allocator.ref_counts[b] and allocator.hashes[b]]
+    pool = manager.block_pool
+    cached = [b for b in range(manager.num_blocks) if not pool.ref_cnt[b] and pool.block_keys[b]]
     assert cached and [b for b, s in enumerate(states) if s == "cached"] == cached
     assert states.count("free") == manager.num_free_blocks - len(cached)
     # Another state, another drawing: B finishes, its full block stays cached, its partial one is free.
     b = seqs[1]
-    blocks = list(b.block_table)
+    blocks = list(manager.get_block_ids(b.request_id)[0])
     manager.free(b)
     after = by_gid(diagrams.block_table(manager, [seqs[0], seqs[2]]))
     assert [after[f"pool-{block}"] for block in blocks] == ["cached", "free"]

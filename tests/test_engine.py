@@ -390,8 +390,9 @@ def test_hybrid_model_keeps_one_block_table_per_group():
         while not all(s.is_finished for s in seqs):
             engine.step()
             for s in engine.scheduler.running:
-                full, *sliding = s.block_tables
-                assert len(s.block_tables) == 6 and NULL_BLOCK not in full
+                tables = engine.block_manager.get_block_ids(s.request_id)
+                full, *sliding = tables
+                assert len(tables) == 6 and NULL_BLOCK not in full
                 assert all(len(t) == len(full) for t in sliding), "tables stay aligned by position"
                 held = [sum(b != NULL_BLOCK for b in t) for t in sliding]
                 assert max(held) <= bound

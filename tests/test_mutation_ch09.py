@@ -20,7 +20,8 @@ from __future__ import annotations
 import pytest
 
 from kvlab import claims, models
-from kvlab.engine.block_manager import BlockManager
+from kvlab.engine.block_manager import BlockManager, ComputedBlocks
+from kvlab.engine.scheduler import Scheduler
 from kvlab.experiments import prefix_ttft as pt
 from kvlab.planning import simulate as sim
 
@@ -77,22 +78,24 @@ def missed(verdict) -> set[str]:
 @pytest.fixture
 def recompute_hits(monkeypatch):
     """The cached prefix is found and counted as a hit, then computed again."""
-    original = BlockManager.allocate
+    original = Scheduler._admit
 
-    def allocate(self, seq, num_new_tokens, reserve_tokens=0):
-        admitted = original(self, seq, num_new_tokens, reserve_tokens)
+    def admit(self, seq, budget):
+        admitted = original(self, seq, budget)
         if admitted is None or not seq.num_computed_tokens:
             return admitted
         admitted += seq.num_computed_tokens
         seq.num_computed_tokens = 0
         return admitted
 
-    monkeypatch.setattr(BlockManager, "allocate", allocate)
+    monkeypatch.setattr(Scheduler, "_admit", admit)
 
 
 @pytest.fixture
 def never_hits(monkeypatch):
-    monkeypatch.setattr(BlockManager, "cached_tables", lambda self, seq: [[] for _ in range(self.num_groups)])
+    monkeypatch.setattr(
+        BlockManager, "get_computed_blocks", lambda self, seq: ComputedBlocks([[] for _ in self.managers], 0)
+    )
 
 
 def test_hits_reported_but_recomputed_fail_the_sharing_claim(real, recompute_hits):

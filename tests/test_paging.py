@@ -8,17 +8,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvlab.costs.workloads import resident_lengths, synthetic_trace
-from kvlab.engine import LLMEngine, kv_pool
-from kvlab.engine.kv_pool import (
-    ATTN_IMPLEMENTATION,
-    KVPool,
-    KVShape,
-    PagedContext,
-    enable_paged_attention,
-    paged_attention_forward,
-    slots_for,
-    split_by_width,
-)
+from kvlab.engine import LLMEngine, context
+from kvlab.engine.attention import ATTN_IMPLEMENTATION, enable_paged_attention, paged_attention_forward
+from kvlab.engine.context import PagedContext, split_by_width
+from kvlab.engine.kv_pool import KVPool, KVShape, slots_for
 from kvlab.engine.metrics import measured_fragmentation, predicted_fragmentation
 from kvlab.measure import MemoryTracker, expected_pool_bytes, module_kv_bytes_per_token, tensor_bytes
 from kvlab.models import tiny_config, tiny_model
@@ -46,13 +39,13 @@ def test_paged_attention_matches_contiguous_sdpa(window, gather_blocks, monkeypa
     read in one gather, in gathers of at most 4 blocks, and one sequence at a time."""
     if gather_blocks is not None:
         block_bytes = BLOCK * KV_HEADS * HEAD_DIM * 4
-        monkeypatch.setattr(kv_pool, "GATHER_CHUNK_BYTES", 2 * block_bytes * gather_blocks)
+        monkeypatch.setattr(context, "GATHER_CHUNK_BYTES", 2 * block_bytes * gather_blocks)
     gen = torch.Generator().manual_seed(0)
     shape = KVShape(num_layers=1, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
     pool = KVPool(shape, num_blocks=64, block_size=BLOCK)
     perm = torch.randperm(64, generator=gen).tolist()
-    # (tokens already cached, tokens this step) per sequence
-    plan = [(9, 1), (0, 7), (5, 6), (14, 1), (3, 1), (60, 1), (58, 1)]
+    # (tokens already cached, tokens this step) per sequence; decodes longest first, as the runner orders them
+    plan = [(60, 1), (0, 7), (58, 1), (5, 6), (14, 1), (9, 1), (3, 1)]
     tables, full_k, full_v = [], [], []
     for cached, new in plan:
         total = cached + new
@@ -245,12 +238,17 @@ def test_fragmentation_check_catches_an_allocator_that_over_allocates(monkeypatc
     kvlab.engine.metrics share, as the audit did); kvlab.engine.metrics' own prediction still agrees, the independent one fails."""
     import kvlab.engine.block_manager
     import kvlab.engine.metrics
+    import kvlab.engine.single_type_kv_cache_manager
 
     def one_too_many(num_tokens, block_size):
         return -(-num_tokens // block_size) + 1
 
-    monkeypatch.setattr(kvlab.engine.block_manager, "cdiv", one_too_many)
-    monkeypatch.setattr(kvlab.engine.metrics, "cdiv", one_too_many)
+    for module in (
+        kvlab.engine.block_manager,
+        kvlab.engine.single_type_kv_cache_manager,
+        kvlab.engine.metrics,
+    ):
+        monkeypatch.setattr(module, "cdiv", one_too_many)
     model = tiny_model("llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=256)
     stats = replay(model, small_trace, 4)
     assert measured_fragmentation(stats) == predicted_fragmentation(resident_lengths(small_trace), 4)
@@ -307,10 +305,13 @@ def test_paged_context_declares_decode_groups_and_prefill_chunks():
 def test_decode_groups_split_by_context_length():
     assert split_by_width([10, 10, 9]) == [3]
     assert split_by_width([40, 39, 38, 2, 2, 1]) == [3, 6], "short rows are not padded to the long ones"
-    tables = [[0] * 40, [1], [2] * 39, [3]]
-    ctx = PagedContext.build(KVPool(KVShape(1, 1, 2), 64, 1), torch.zeros(4, dtype=torch.long), [1] * 4,
-                             [40, 1, 39, 1], tables)  # fmt: skip
-    assert [g.tokens.tolist() for g in ctx.decodes] == [[0, 2], [1, 3]] and len(ctx.block_ids) == 80 + 2
+    pool, slots = KVPool(KVShape(1, 1, 2), 64, 1), torch.zeros(4, dtype=torch.long)
+    tables = [[0] * 40, [2] * 39, [1], [3]]
+    ctx = PagedContext.build(pool, slots, [1] * 4, [40, 39, 1, 1], tables)
+    assert [g.tokens for g in ctx.decodes] == [slice(0, 2), slice(2, 4)] and len(ctx.block_ids) == 80 + 2
+    # The runner sorts a step once; a context built from another order would cut its groups wrong
+    with pytest.raises(ValueError, match="longest block table first"):
+        PagedContext.build(pool, slots, [1] * 4, [40, 1, 39, 1], [tables[0], tables[2], tables[1], tables[3]])
 
 
 def every_cut_optimum(widths, group_cost):

@@ -118,7 +118,8 @@ def test_cached_blocks_read_from_the_block_manager(llama, trace):
     first, second = [r for r, t in zip(trace.requests, trace.tenants, strict=True) if t == 0][:2]
     engines[1].generate([list(first.prompt_token_ids)], SamplingParams(max_tokens=1))
     prompt = second.prompt_token_ids
-    expected = len(engines[1].block_manager.cached_prefix(Request(list(prompt))))
+    hit = engines[1].block_manager.get_computed_blocks(Request(list(prompt)))
+    expected = hit.num_computed_tokens // BLOCK
     assert router.cached_prompt_blocks(prompt, engines[1].block_manager) == expected == SYSTEM[0] // BLOCK
     assert router.cached_prompt_blocks(prompt, engines[0].block_manager) == 0
     costs = router.replica_costs(prompt, engines)

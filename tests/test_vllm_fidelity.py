@@ -10,12 +10,15 @@ ids, free-queue orders and hit lengths by hand from vLLM's rules, not from kvlab
 
 import pytest
 import torch
+from kv_steps import admit, hit_table, table
 
 from kvlab.engine import LLMEngine
-from kvlab.engine.block_manager import NULL_BLOCK, BlockManager, max_admission_blocks
-from kvlab.engine.config import VLLM_DEFAULTS, EngineConfig
+from kvlab.engine.block_manager import NULL_BLOCK, BlockManager, ComputedBlocks
+from kvlab.engine.config import VLLM_DEFAULTS, EngineConfig, SchedulerConfig
+from kvlab.engine.outputs import RunnerOutput
 from kvlab.engine.request import Request, SamplingParams
-from kvlab.engine.scheduler import RunnerOutput, Scheduler, SchedulerConfig, SchedulerStalled
+from kvlab.engine.scheduler import Scheduler, SchedulerStalled
+from kvlab.engine.single_type_kv_cache_manager import max_admission_blocks
 from kvlab.models import tiny_model
 from kvlab.specs import vllm_defaults
 
@@ -24,7 +27,7 @@ KNOBS = dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=256)
 
 def compute_whole_prompt(bm: BlockManager, seq: Request) -> int | None:
     """Admit `seq` with its whole prompt in one chunk (what the scheduler does with a large token budget)."""
-    return bm.allocate(seq, seq.num_tokens)
+    return admit(bm, seq, seq.num_tokens)
 
 
 # --- Duplicates stay cached -------------------------------------------------------------------------------------
@@ -35,29 +38,29 @@ def test_a_block_aligned_prompt_sent_again_caches_a_duplicate_that_outlives_the_
     computed for its logits: `get_computed_blocks` caps the hit at num_tokens - 1). vLLM caches the recomputed
     block beside the first copy under the same hash; both go to the back of the free queue when freed."""
     bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=True)
-    free = bm.allocator.free_order
+    free = bm.block_pool.free_order
     prompt = list(range(1, 9))  # two full blocks
     a = Request(prompt)
-    assert compute_whole_prompt(bm, a) == 8 and a.block_table == [0, 1]
+    assert compute_whole_prompt(bm, a) == 8 and table(bm, a) == [0, 1]
     bm.free(a)  # tail first, both cached: to the back
     assert free() == [2, 3, 4, 5, 1, 0]
 
     b = Request(prompt)
     # Block 0 hits; the second block is recomputed into the front block, 2.
     assert compute_whole_prompt(bm, b) == 4
-    assert b.block_table == [0, 2] and bm.num_cached_blocks == 3  # block 2 is a second copy of block 1's hash
+    assert table(bm, b) == [0, 2] and bm.num_cached_blocks == 3  # block 2 is a second copy of block 1's hash
     bm.free(b)
     # 2 (cached copy) then 0 (cached) to the back: vLLM's order. A duplicate left unhashed would go to the front.
     assert free() == [3, 4, 5, 1, 2, 0]
     # While both copies live, a lookup takes the first one cached.
-    assert bm.cached_prefix(Request(prompt + [10])) == [0, 1]
+    assert hit_table(bm, Request(prompt + [10])) == [0, 1]
 
     # Unrelated content takes four blocks from the front: 3, 4, 5 and 1, evicting the original copy.
     c = Request([9] * 13)
-    assert compute_whole_prompt(bm, c) == 13 and c.block_table == [3, 4, 5, 1]
+    assert compute_whole_prompt(bm, c) == 13 and table(bm, c) == [3, 4, 5, 1]
     # The duplicate still serves the prompt: a longer request hits both of its blocks.
     d = Request(prompt + [10])
-    assert bm.cached_prefix(d) == [0, 2]
+    assert hit_table(bm, d) == [0, 2]
     bm.free(c)
     assert compute_whole_prompt(bm, d) == 1 and bm.prefix_cache_stats.hits == 4 + 8
 
@@ -67,26 +70,29 @@ def test_evicting_one_copy_keeps_the_hash_cached_until_the_last_copy_goes():
     first, second = Request([5, 6, 7]), Request([5, 6, 7])
     assert compute_whole_prompt(bm, first) == 3  # blocks 0 (full, cached) and 1
     # A second request admitted while the first still runs hits block 0: no duplicate from a hit.
-    assert compute_whole_prompt(bm, second) == 1 and second.block_table == [0, 2]
+    assert compute_whole_prompt(bm, second) == 1 and table(bm, second) == [0, 2]
     bm.free(second)
     bm.free(first)
     assert bm.num_cached_blocks == 1
     # Two prompts that fill the same block in two running requests publish two copies of one hash.
     bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
     x, y = Request([5, 6]), Request([5, 6])
-    assert bm.allocate(x, 1) == 1 and bm.allocate(y, 1) == 1  # neither block is full yet: no hit possible
+    assert admit(bm, x, 1) == 1 and admit(bm, y, 1) == 1  # neither block is full yet: no hit possible
     x.num_computed_tokens = y.num_computed_tokens = 1
-    assert bm.append_slots(x, 1) and bm.append_slots(y, 1)  # both blocks fill: two copies
-    assert bm.num_cached_blocks == 2 and len(bm.cached) == 1
+    assert bm.allocate_slots(x, 1) and bm.allocate_slots(y, 1)  # both blocks fill: two copies
+    assert bm.num_cached_blocks == 2 and len(bm.block_pool.cached_block_hash_to_block) == 1
     bm.free(x)
     bm.free(y)
     # Evict one copy (the least recently freed, x's block 0), then the other: the hash is gone only then.
-    bm.allocator.allocate()
-    bm.allocator.allocate()
-    assert bm.num_cached_blocks == 2  # blocks 2 and 3 were the never-used ones at the front
-    assert bm.allocator.allocate() == 0 and bm.num_cached_blocks == 1
-    assert bm.cached_prefix(Request([5, 6, 1])) == [1]
-    assert bm.allocator.allocate() == 1 and bm.num_cached_blocks == 0 and bm.cached == {}
+    pool = bm.block_pool
+    assert pool.get_new_blocks(2) == [2, 3]
+    assert bm.num_cached_blocks == 2 and pool.num_evictions == 0  # blocks 2 and 3 were never used
+    assert pool.get_new_blocks(1) == [0] and bm.num_cached_blocks == 1 and pool.num_evictions == 1
+    assert hit_table(bm, Request([5, 6, 1])) == [1]
+    assert (
+        pool.get_new_blocks(1) == [1] and bm.num_cached_blocks == 0 and pool.cached_block_hash_to_block == {}
+    )
+    assert pool.num_evictions == 2
 
 
 # --- Sliding-window admission cap --------------------------------------------------------------------------------
@@ -95,14 +101,15 @@ def test_evicting_one_copy_keeps_the_hash_cached_until_the_last_copy_goes():
 def test_admission_cap_is_the_window_plus_the_tokens_in_flight():
     # cdiv(32 - 1 + 32, 16) + 1 = 5 blocks, however long the prompt; capped by max_model_len below the window.
     assert max_admission_blocks(32, 16, 32) == 5
-    assert max_admission_blocks(32, 16, 32, max_model_len=20) == 2 + 1
+    assert max_admission_blocks(32, 16, 32, num_tokens=20) == 2 + 1
     sliding = BlockManager(8, 16, windows=[32], max_in_flight_tokens=32, max_model_len=4096)
     full = BlockManager(8, 16, windows=[None], max_in_flight_tokens=32, max_model_len=4096)
     prompt = Request(list(range(300)))
+    miss = ComputedBlocks([[]], 0)
     # The first chunk alone needs 2 blocks; the whole prompt 19, which a sliding group caps at 5.
-    assert sliding.blocks_to_admit(prompt, 32) == 2 == full.blocks_to_admit(prompt, 32)
-    assert sliding.blocks_to_admit(prompt, 32, reserve_tokens=300) == 5
-    assert full.blocks_to_admit(prompt, 32, reserve_tokens=300) == 19
+    assert sliding.get_num_blocks_to_admit(miss, 32) == 2 == full.get_num_blocks_to_admit(miss, 32)
+    assert sliding.get_num_blocks_to_admit(miss, 32, reserve_tokens=prompt.num_tokens) == 5
+    assert full.get_num_blocks_to_admit(miss, 32, reserve_tokens=prompt.num_tokens) == 19
 
 
 @pytest.mark.parametrize("reserve_full_isl", [False, True])
@@ -135,7 +142,7 @@ def test_a_long_prompt_on_a_sliding_model_is_admitted_with_the_whole_prompt_rese
 def cached_block_indices(bm: BlockManager, seq: Request) -> list[int]:
     """Which of `seq`'s blocks in group 0 carry a published hash."""
     return [
-        i for i, b in enumerate(seq.block_table) if b != NULL_BLOCK and bm.allocator.hashes[b] is not None
+        i for i, b in enumerate(table(bm, seq)) if b != NULL_BLOCK and bm.block_pool.block_keys[b] is not None
     ]
 
 
@@ -162,10 +169,10 @@ def test_sliding_group_keeps_only_the_blocks_a_hit_can_reach(interval, kept, sib
     assert cached_block_indices(bm, first) == kept
     bm.free(first)
     # A resend hits up to block 9 (36 tokens) whatever the interval: that point is always kept.
-    assert len(bm.cached_tables(Request(prompt))[0]) == 9
+    assert len(hit_table(bm, Request(prompt))) == 9
     # A sibling sharing the first 24 tokens, then different: its hit needs blocks 4 and 5 (or an earlier pair).
     sibling = Request(prompt[:24] + [99] * 16)
-    assert len(bm.cached_tables(sibling)[0]) * 4 == sibling_hit
+    assert len(hit_table(bm, sibling)) * 4 == sibling_hit
 
 
 def test_a_shared_prefix_junction_is_kept_for_the_next_request():
@@ -179,8 +186,13 @@ def test_a_shared_prefix_junction_is_kept_for_the_next_request():
     second = Request(prompt[:24] + [99] * 16)
     # Full attention could serve 6 blocks; the sliding group kept none of blocks 4 and 5, so nothing hits.
     assert compute_whole_prompt(bm, second) == 40 and second.shared_prefix_boundary == 24
-    sliding_table = second.block_tables[1]
-    assert [i for i, b in enumerate(sliding_table) if bm.allocator.hashes[b] is not None] == [4, 5, 7, 8]
+    sliding_table = table(bm, second, group=1)
+    assert [i for i, b in enumerate(sliding_table) if bm.block_pool.block_keys[b] is not None] == [
+        4,
+        5,
+        7,
+        8,
+    ]
     bm.free(second)
     third = Request(prompt[:24] + [77] * 8)
     assert compute_whole_prompt(bm, third) == 32 - 24 and third.shared_prefix_boundary == 0
@@ -214,10 +226,15 @@ def test_a_request_an_idle_pool_cannot_admit_raises_one_line_at_once():
 
 
 class NeverGrows(BlockManager):
-    """A pool that admits a sequence's first chunk but never gives it a block more: a livelock of preemption."""
+    """A pool that admits a request's first chunk but never gives it a block more: a livelock of preemption."""
 
-    def append_slots(self, seq: Request, num_new_tokens: int) -> bool:
-        return seq.num_computed_tokens == 0 and super().append_slots(seq, num_new_tokens)
+    def allocate_slots(
+        self, request, num_new_tokens, num_computed_tokens=None, new_computed_blocks=None, reserve_tokens=0
+    ):
+        admitting = new_computed_blocks is not None
+        return (admitting or request.num_computed_tokens == 0) and super().allocate_slots(
+            request, num_new_tokens, num_computed_tokens, new_computed_blocks, reserve_tokens
+        )
 
 
 def test_a_schedule_that_never_progresses_raises_within_the_idle_bound():
@@ -230,8 +247,42 @@ def test_a_schedule_that_never_progresses_raises_within_the_idle_bound():
             steps += 1
             batch = scheduler.schedule(0.0)
             if batch.seqs:
-                scheduler.postprocess(batch, RunnerOutput([], [], []), 0.0)
+                scheduler.update_from_output(batch, RunnerOutput([], [], []), 0.0)
     # Bound: 2 sequences + cdiv(64, 4) chunks + 2 = 20 idle steps; the first step progressed.
     assert config.max_idle_steps == 20 and steps == 1 + 20 + 1
     # Steps 2, 4, ..., 22 each preempted the sequence the step before had re-admitted.
     assert scheduler.num_preemptions == 11
+
+
+# --- The provenance table ----------------------------------------------------------------------------------------
+
+
+def test_the_fidelity_table_names_code_and_tests_that_exist():
+    """docs/vllm-fidelity.md holds the vLLM file and version of each rule; every kvlab name it gives imports and
+    every test it names exists, so the table cannot drift from the code."""
+    import importlib
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs" / "vllm-fidelity.md").read_text()
+    assert "vLLM 0.33.0" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| rule")]
+    assert len(rows) >= 15
+    for row in rows:
+        _, vllm, kvlab, test = (cell.strip() for cell in row.strip("|").split(" | "))
+        assert "vllm/" in vllm, row
+        (name,) = re.findall(r"`(kvlab\.[\w.]+)`", kvlab)
+        parts = name.split(".")
+        for cut in range(len(parts), 1, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ModuleNotFoundError:
+                continue
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+            break
+        else:
+            raise AssertionError(f"{name} does not import")
+        (test_ref,) = re.findall(r"`(test_\w+\.py)::(\w+)`", test)
+        assert f"def {test_ref[1]}(" in (root / "tests" / test_ref[0]).read_text(), row

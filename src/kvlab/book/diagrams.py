@@ -29,7 +29,7 @@ from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from kvlab.book import plot
 from kvlab.costs.budget import MemoryBudget
-from kvlab.engine.block_manager import BlockManager
+from kvlab.engine.block_manager import BlockManager, ComputedBlocks
 from kvlab.engine.request import Request
 from kvlab.experiments.evict import reusable_prefix_blocks
 from kvlab.planning.simulate import SimulationResult
@@ -237,9 +237,10 @@ def block_table(manager: BlockManager, seqs: Sequence[Request]) -> Figure:
         raise ValueError(
             f"the block-table diagram draws at most 24 blocks, the pool has {manager.num_blocks}"
         )
+    tables = [manager.get_block_ids(seq.request_id)[0] for seq in seqs]
     owner: dict[int, tuple[int, int]] = {}
-    for s, seq in enumerate(seqs):
-        for logical, block_id in enumerate(seq.block_table):
+    for s, table in enumerate(tables):
+        for logical, block_id in enumerate(table):
             owner.setdefault(block_id, (s, logical))
     per_row = 8
     rows = cdiv(manager.num_blocks, per_row)
@@ -252,7 +253,7 @@ def block_table(manager: BlockManager, seqs: Sequence[Request]) -> Figure:
     for s, seq in enumerate(seqs):
         face, hatch = FILLS[s]
         _text(ax, 0.1, y, f"{seq.request_id}: {seq.num_tokens} tokens", gid=f"seq-{seq.request_id}")
-        for logical, block_id in enumerate(seq.block_table):
+        for logical, block_id in enumerate(tables[s]):
             _box(ax, table_x + logical * cell, y - 0.2, cell, 0.4, _light(face), hatch)
             _label(
                 ax,
@@ -266,7 +267,7 @@ def block_table(manager: BlockManager, seqs: Sequence[Request]) -> Figure:
     y -= 0.45
     _text(ax, 0.1, y, f"physical pool: {manager.num_blocks} blocks", size=TITLE_PT, weight="bold")
     y -= 0.45
-    ref_counts, hashes = manager.allocator.ref_counts, manager.allocator.hashes
+    ref_counts, hashes = manager.block_pool.ref_cnt, manager.block_pool.block_keys
     pool_w = (WIDTH_INCHES - 0.2) / per_row
     for block_id in range(manager.num_blocks):
         row, col = divmod(block_id, per_row)
@@ -320,16 +321,25 @@ def admit_in_order(manager: BlockManager, prompts: Sequence[tuple[str, Sequence[
     out = []
     for request_id, tokens in prompts:
         seq = Request(list(tokens), request_id=request_id)
-        hit = len(manager.cached_prefix(seq))
+        hit = manager.get_computed_blocks(seq)
+        index = manager.block_pool.cached_block_hash_to_block
         cached = 0
-        while cached < len(seq.block_hashes) and (0, seq.block_hashes[cached]) in manager.cached:
+        while cached < len(seq.block_hashes) and (0, seq.block_hashes[cached]) in index:
             cached += 1
-        computed = manager.allocate(seq, seq.num_tokens)
-        if computed is None:
-            raise ValueError(f"request {request_id} does not fit in the pool")
-        seq.num_computed_tokens += computed
-        out.append(Admission(seq, hit, cached))
+        admit_whole(manager, seq, hit)
+        out.append(Admission(seq, hit.num_computed_tokens // manager.block_size, cached))
     return out
+
+
+def admit_whole(manager: BlockManager, seq: Request, hit: ComputedBlocks | None = None) -> None:
+    """Admit `seq` with its whole prompt scheduled, as the engine's scheduler would (it alone counts progress)."""
+    hit = manager.get_computed_blocks(seq) if hit is None else hit
+    seq.shared_prefix_boundary = hit.shared_prefix_boundary
+    if not manager.allocate_slots(
+        seq, seq.num_tokens - hit.num_computed_tokens, hit.num_computed_tokens, hit
+    ):
+        raise ValueError(f"request {seq.request_id} does not fit in the pool")
+    seq.num_computed_tokens = seq.num_tokens
 
 
 def short_hash(value: int) -> str:
@@ -338,7 +348,7 @@ def short_hash(value: int) -> str:
 
 
 def hash_chain(manager: BlockManager, admissions: Sequence[Admission]) -> Figure:
-    """Each request's blocks with their chained hashes (`kvlab.engine.block_manager.block_hash`, shortened), what its
+    """Each request's blocks with their chained hashes (`kvlab.engine.block_pool.hash_block_tokens`, shortened), what its
     lookup hit, where the second request's hashes first differ from the first's, and the blocks computed again
     although cached (a prompt's last block: at least one token is always computed)."""
     if len(admissions) < 2:
@@ -612,9 +622,7 @@ def paged_state() -> tuple[BlockManager, list[Request]]:
 
     def admit(request_id: str, length: int, first: int) -> Request:
         seq = Request(list(range(first, first + length)), request_id=request_id)
-        computed = manager.allocate(seq, seq.num_tokens)
-        assert computed is not None
-        seq.num_computed_tokens += computed
+        admit_whole(manager, seq)
         return seq
 
     a, d, b = admit("A", 10, 100), admit("D", 7, 200), admit("B", 6, 300)
@@ -622,7 +630,7 @@ def paged_state() -> tuple[BlockManager, list[Request]]:
     c = admit("C", 9, 400)
     for token in range(3):
         a.token_ids.append(900 + token)
-        assert manager.append_slots(a, 1)
+        assert manager.allocate_slots(a, 1)
         a.num_computed_tokens += 1
     return manager, [a, b, c]
 

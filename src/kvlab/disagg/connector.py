@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.engine.llm_engine import LLMEngine, RequestOutput
+from kvlab.engine.outputs import ScheduledBatch
 from kvlab.engine.request import Request, SamplingParams
-from kvlab.engine.scheduler import ScheduledBatch
 
 
 @dataclass
@@ -58,10 +58,10 @@ class KVCapture:
         engine.scheduler.on_step.append(self._on_step)
 
     def _on_step(self, batch: ScheduledBatch) -> None:
-        # Runs after the forward wrote the step's K/V and before postprocess frees finished requests' blocks.
-        for seq, end in zip(batch.seqs, batch.contexts, strict=True):
+        # Runs after the forward wrote the step's K/V and before update_from_output frees finished requests' blocks.
+        for seq, end, tables in zip(batch.seqs, batch.contexts, batch.block_tables, strict=True):
             if end == seq.num_prompt_tokens == len(seq.token_ids):
-                self.kv[str(seq.request_id)] = self.pool.read_tokens(seq.block_table, 0, end)
+                self.kv[str(seq.request_id)] = self.pool.read_tokens(tables[0], 0, end)
 
     def take(self, out: RequestOutput, params: SamplingParams) -> Prefilled:
         """A request the prefill engine has finished, as it travels: with its prompt's K/V (handed over, not

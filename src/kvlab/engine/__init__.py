@@ -1,16 +1,35 @@
-"""The serving engine: a small vLLM v1 on transformers models, one concept per module (chapters 5-9, 14).
+"""The serving engine: a small vLLM v1 on unmodified transformers models, one concept per module.
 
-- `config`: `EngineConfig`, every knob in one dataclass.
-- `request`: `Request` and `SamplingParams`, one request as the engine tracks it.
-- `scheduler`: which requests run each step, with how many tokens; the step's postprocessing.
-- `block_manager`: the block allocator, prefix caching, and the contiguous baseline.
-- `kv_pool`: the paged KV pool and the attention that reads through block tables.
-- `model_runner`: a transformers model's forward and sampling per step; `cost_runner`: no model, a cost.
-- `llm_engine`: `LLMEngine`, the one step loop, on either runner.
-- `clock`: wall, CPU-time or virtual time; `metrics`: serving metrics under vLLM's names.
+Requests flow `LLMEngine.step` -> `Scheduler.schedule` (with `BlockManager`) -> a runner -> back to
+`Scheduler.update_from_output`. The scheduler owns each request's progress; the block manager owns its blocks.
 
-`from kvlab.engine import LLMEngine, EngineConfig, Request, SamplingParams` loads torch only on first use, so
-that `kvlab --help` and `kvlab size` stay fast.
+    kvlab                                 vLLM v1 (vllm/v1/...)                          nano-vllm (nanovllm/...)
+    llm_engine.LLMEngine                  engine/llm_engine.py LLMEngine                 engine/llm_engine.py LLMEngine
+    config.EngineConfig, SchedulerConfig  config/ EngineArgs, SchedulerConfig            config.py Config
+    request.Request                       request.py Request                             engine/sequence.py Sequence
+    scheduler.Scheduler.schedule          core/sched/scheduler.py schedule               engine/scheduler.py schedule
+    Scheduler.update_from_output          update_from_output                             postprocess
+    Scheduler._preempt_request            _preempt_request                               preempt
+    outputs.ScheduledBatch                core/sched/output.py SchedulerOutput           (seqs, is_prefill)
+    outputs.RunnerOutput                  outputs.py ModelRunnerOutput                   token_ids
+    block_manager.BlockManager            core/kv_cache_manager.py KVCacheManager        engine/block_manager.py
+      .get_computed_blocks                  get_computed_blocks                            (in allocate)
+      .allocate_slots                       allocate_slots                                 allocate, may_append
+      (its loop over groups)                core/kv_cache_coordinator.py                   -
+    single_type_kv_cache_manager          core/single_type_kv_cache_manager.py           -
+      FullAttentionManager                  FullAttentionManager                           -
+      SlidingWindowManager                  SlidingWindowManager                           -
+    block_pool.BlockPool                  core/block_pool.py BlockPool                   (in BlockManager)
+    block_pool.hash_block_tokens          core/kv_cache_utils.py hash_block_tokens       compute_hash
+    kv_pool.KVPool                        worker/gpu_model_runner.py kv_caches           model_runner.py kv_cache
+    context.PagedContext                  attention metadata                             utils/context.py Context
+    attention.paged_attention_forward     attention backends                             layers/attention.py
+    model_runner.ModelRunner              worker/gpu_model_runner.py GPUModelRunner      engine/model_runner.py
+    cost_runner.CostRunner                -                                              -
+
+Also `clock` (wall, CPU-time or virtual time) and `metrics` (serving metrics under vLLM's benchmark names).
+`from kvlab.engine import LLMEngine` loads torch only on first use, so that `kvlab --help` stays fast.
+Chapters 5-9 and 14.
 """
 
 from __future__ import annotations

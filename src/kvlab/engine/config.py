@@ -1,17 +1,11 @@
-"""`EngineConfig`: every knob of `LLMEngine` in one dataclass, like vLLM's `EngineArgs` and `SchedulerConfig`.
+"""`EngineConfig`: every knob of `LLMEngine` in one dataclass (vLLM's `EngineArgs`), and the scheduler's share.
 
-`LLMEngine(model, block_size=16, ...)` builds one from its keywords, as vLLM's `LLM(...)` builds its `EngineArgs`;
-`LLMEngine(model, EngineConfig(...))` takes one directly. `num_blocks=None` sizes the pool from a memory budget
-(see `ModelRunner.profile_num_blocks`); `max_model_len=None` is the model's limit, capped by the pool.
-
-Defaults follow vLLM v1 (0.33.0, `vllm/config/cache.py`, `vllm/config/scheduler.py`) where they make sense for
-a teaching engine: prefix caching on (off for the contiguous baseline, which cannot share), chunked prefill on,
-and `prefix_cache_retention_interval=0` (sliding-window groups cache only the blocks a hit can reach; see
-`kvlab.engine.block_manager`). They differ where vLLM sizes for a datacentre GPU: `max_num_seqs` and
-`max_num_batched_tokens` are CPU-sized, and admission needs only the first chunk's blocks unless
-`scheduler_reserve_full_isl=True` (vLLM's default, which needs the whole prompt's blocks free, a sliding-window
-group counted at most at its window plus the tokens in flight). `VLLM_DEFAULTS` and `EngineConfig.table()` put
-both side by side; `LLMEngine` logs that table at startup.
+`LLMEngine(model, block_size=16, ...)` builds one from keywords, as vLLM's `LLM(...)` builds its `EngineArgs`.
+`num_blocks=None` sizes the pool from a memory budget; `max_model_len=None` is the model's limit, capped by the
+pool. Defaults follow vLLM v1 (`kvlab.specs.vllm_defaults`) where they suit a teaching engine: prefix caching
+and chunked prefill on. They differ where vLLM sizes for a datacentre GPU (`max_num_seqs`,
+`max_num_batched_tokens`), and admission needs only the first chunk's blocks unless
+`scheduler_reserve_full_isl=True`. `EngineConfig.table()` puts both side by side. Chapters 7-9.
 """
 
 from __future__ import annotations
@@ -19,12 +13,49 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from kvlab.engine.block_manager import check_retention_interval
-from kvlab.engine.scheduler import SchedulerConfig, Scheduling
 from kvlab.kv_format import pool_format
 from kvlab.specs import vllm_defaults
+from kvlab.units import cdiv
 
 KVLayout = Literal["paged", "contiguous"]
+Scheduling = Literal["continuous", "static"]
+
+
+def check_retention_interval(interval: int | None, block_size: int) -> None:
+    """vLLM's `prefix_cache_retention_interval` values: None, 0, or a positive multiple of the block size."""
+    if interval is None:
+        return
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0 or interval % block_size:
+        raise ValueError(
+            f"prefix_cache_retention_interval must be None, 0 or a positive multiple of block_size={block_size},"
+            f" got {interval!r}"
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduler's share of the knobs, `max_model_len` resolved (vLLM's `SchedulerConfig`)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    scheduling: Scheduling = "continuous"
+    enable_chunked_prefill: bool = True
+    reserve_full_prompt: bool = False  # vLLM's scheduler_reserve_full_isl
+
+    def __post_init__(self) -> None:
+        if self.scheduling not in ("continuous", "static"):
+            raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
+        if min(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len) < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+
+    @property
+    def max_idle_steps(self) -> int:
+        """Steps without progress that a live schedule can need: one preemption-only step per running request,
+        then the oldest re-admitted request recomputing, the whole token budget a step, up to `max_model_len`."""
+        return self.max_num_seqs + cdiv(self.max_model_len, self.max_num_batched_tokens) + 2
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,12 @@
-"""`LLMEngine`: a small vLLM on a transformers model, for measuring paging, batching and prefix caching.
+"""`LLMEngine`: the one step loop of a small vLLM on a transformers model, or on a step cost.
 
-Split the way nano-vllm and vLLM are: an `EngineConfig` (`kvlab.engine.config`) holds the knobs; the `Scheduler` picks
-which sequences run with how many tokens and, after each step, appends the sampled tokens, retires finished
-requests and records a `kvlab.engine.metrics.StepStats` row (`Scheduler.postprocess`); a runner runs the batch, either
-the `ModelRunner` (`kvlab.engine.model_runner`: the KV pool, the model through the paged attention, sampling) or a
-`kvlab.engine.cost_runner.CostRunner` (no model, a step cost: the simulator of `kvlab.planning.simulate`). `LLMEngine` is the one
-loop between them. Greedy outputs equal `model.generate`'s in fp32 (the tests prove it, with preemption and
-prefix caching too). The parts report what they count (`engine.scheduler.num_preemptions`,
-`engine.block_manager.prefix_cache_stats`; `engine.pool` is the runner's KV pool). At startup the engine logs
-its memory budget (`kvlab.costs.budget.MemoryBudget`) and its configuration beside vLLM v1's (`EngineConfig.table()`).
+Each `step` asks the `Scheduler` for a batch, runs it on a runner (`ModelRunner`: the model through the paged
+attention; `CostRunner`: a modelled step, the simulator), lets the scheduler account for the output, and returns
+the requests that finished. Greedy outputs equal `model.generate`'s in fp32, with preemption, prefix caching,
+sliding windows and hybrids (tests/test_engine.py). The parts report what they count:
+`engine.scheduler.num_preemptions`, `engine.block_manager.prefix_cache_stats`, `engine.pool` (the KV pool).
+At startup it logs its memory budget and its knobs beside vLLM v1's defaults (`EngineConfig.table()`).
+Chapters 5-9 and 14.
 """
 
 from __future__ import annotations
@@ -26,7 +24,8 @@ from kvlab.engine.block_manager import BlockManager, ContiguousBlockManager, lon
 from kvlab.engine.clock import Clock, VirtualClock, WallClock
 from kvlab.engine.config import EngineConfig
 from kvlab.engine.metrics import RequestMetrics
-from kvlab.engine.model_runner import ModelRunner, Runner
+from kvlab.engine.model_runner import ModelRunner
+from kvlab.engine.outputs import Runner
 from kvlab.engine.request import Prompt, Request, SamplingParams, parse_prompt
 from kvlab.engine.scheduler import Scheduler
 
@@ -47,6 +46,12 @@ class RequestOutput:
 
 
 class LLMEngine:
+    """The step loop between a `Scheduler` and a runner (vLLM's `LLMEngine`, nano-vllm's `LLMEngine`)."""
+
+    # What it builds its parts from; the planner's simulator swaps in its faster ones (kvlab.planning.fast_engine)
+    block_manager_cls: type[BlockManager] = BlockManager
+    scheduler_cls: type[Scheduler] = Scheduler
+
     def __init__(
         self,
         model: PreTrainedModel | None = None,
@@ -82,7 +87,7 @@ class LLMEngine:
                 raise ValueError("the contiguous baseline supports one KV-cache group (not hybrid models)")
             self.block_manager: BlockManager = ContiguousBlockManager(num_blocks, bs, self.max_model_len)
         else:
-            self.block_manager = BlockManager(
+            self.block_manager = self.block_manager_cls(
                 num_blocks,
                 bs,
                 bool(config.enable_prefix_caching),
@@ -92,7 +97,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
             )
         limits = config.scheduler_config(self.max_model_len)
-        self.scheduler = Scheduler(limits, self.block_manager, runner.eos_token_ids, log_stats)
+        self.scheduler = self.scheduler_cls(limits, self.block_manager, runner.eos_token_ids, log_stats)
         self.step_stats = self.scheduler.step_stats
         self.clock: Clock = (
             {"wall": WallClock, "virtual": VirtualClock}[clock]() if isinstance(clock, str) else clock
@@ -137,7 +142,7 @@ class LLMEngine:
             self.scheduler.finish(seq, "error")
             self._rejected.append(seq)
         else:
-            self.scheduler.add(seq)
+            self.scheduler.add_request(seq)
         return seq
 
     def has_unfinished_requests(self) -> bool:
@@ -157,7 +162,7 @@ class LLMEngine:
             return finished
         output = self.runner.run(batch)
         self.clock.step_done(batch.num_batched_tokens, sum(batch.context_lens()), output.seconds)
-        done = self.scheduler.postprocess(batch, output, self.clock.now())
+        done = self.scheduler.update_from_output(batch, output, self.clock.now())
         return finished + [self._output(s) for s in done]
 
     def _output(self, seq: Request) -> RequestOutput:

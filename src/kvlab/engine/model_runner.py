@@ -1,48 +1,29 @@
-"""`ModelRunner`: the KV pool, its sizing, and one forward pass plus sampling per engine step (nano-vllm's split).
+"""`ModelRunner`: the KV pool, its sizing, and one forward pass plus sampling per step (nano-vllm's split).
 
-The engine hands it a `ScheduledBatch`; it flattens the batch's tokens into one row with their positions and pool
-slots, builds the step's `PagedContext` once for all layers, runs the model through the paged attention
-(`kvlab.engine.kv_pool`), and samples one token for every sequence whose scheduled tokens reach its end.
-
-Sizing with `num_blocks=None` follows vLLM's startup (vLLM 0.33.0 `vllm/v1/worker/gpu_worker.py`
-`determine_available_memory`) through `kvlab.costs.budget.MemoryBudget`, the one place a KV budget is computed: from the
-capacity take the engine cap, the memory outside PyTorch, the weights (measured from the model's tensors) and the
-peak activation of a profiled forward over `max_num_batched_tokens` tokens; whole blocks of the rest hold KV. On a
-GPU the capacity is the device's TOTAL memory (`torch.cuda.mem_get_info`) with vLLM's `gpu_memory_utilization`
-of vLLM's default (kvlab.specs.vllm_defaults) and the measured CUDA context (`kvlab.measure.cuda_context_bytes`); on CPU, or when `memory_budget_bytes`
-is given, the capacity is that budget, all of it usable (utilisation 1.0, no runtime term). Where other processes
-hold so much of the GPU that this share does not fit in what is free, sizing refuses, as vLLM does at startup
-(`cuda_capacity`): engines that share a GPU each need `num_blocks` or `memory_budget_bytes`.
-
-Hybrid models (sliding and full layers, Gemma 3) get one block table per KV-cache group (`kvlab.engine.kv_pool.
-kv_cache_groups`); each step builds one `PagedContext` per group and every layer reads its group's.
-
-`Runner` is what `kvlab.engine.LLMEngine` asks of whatever runs its batches: this model runner, or a step cost
-that runs no model (`kvlab.engine.cost_runner.CostRunner`, the simulator's).
+The engine hands it a `ScheduledBatch`. It sorts the batch once (decodes first, longest context first), flattens
+its tokens into one row with their positions and pool slots, builds the step's `PagedContext` (one per KV-cache
+group) and runs the model through the paged attention. Every request whose scheduled tokens reach its end samples
+one token; the output goes back in batch order. With `num_blocks=None` the pool is sized as vLLM sizes it at
+startup, through `kvlab.costs.budget.MemoryBudget`: capacity less the weights and a profiled forward's peak;
+on a GPU, the total memory × `gpu_memory_utilization`, refused when other processes hold too much of it.
+Chapters 5, 7 and 11.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
 
 from kvlab.agreement import top_k_ids
 from kvlab.costs.budget import MemoryBudget
+from kvlab.engine.attention import enable_paged_attention
 from kvlab.engine.config import EngineConfig
-from kvlab.engine.kv_pool import (
-    KVCacheGroup,
-    KVPool,
-    KVShape,
-    PagedContext,
-    enable_paged_attention,
-    kv_cache_groups,
-    slots_for,
-)
+from kvlab.engine.context import PagedContext
+from kvlab.engine.kv_pool import KVCacheGroup, KVPool, KVShape, kv_cache_groups, slots_for
+from kvlab.engine.outputs import RunnerOutput, ScheduledBatch
 from kvlab.engine.request import Request
-from kvlab.engine.scheduler import RunnerOutput, ScheduledBatch
 from kvlab.measure import MemoryTracker, cuda_context_bytes
 from kvlab.specs import vllm_defaults
 from kvlab.units import cdiv, format_bytes
@@ -51,29 +32,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_BUDGET = 256 * 2**20  # bytes of "device" memory the engine may use on CPU
 GPU_MEMORY_UTILIZATION = vllm_defaults.GPU_MEMORY_UTILIZATION  # vLLM's default share of GPU memory
-
-
-class Runner(Protocol):
-    """What the engine runs its batches on, and what it learns of it at startup."""
-
-    @property
-    def num_blocks(self) -> int: ...  # blocks of the KV pool
-
-    @property
-    def windows(self) -> list[int | None]: ...  # per KV-cache group: None (full attention) or its window
-
-    @property
-    def max_model_len(self) -> int | None: ...  # the model's context limit (None: only the pool bounds it)
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]: ...
-
-    @property
-    def pool(self) -> KVPool | None: ...
-
-    def run(self, batch: ScheduledBatch) -> RunnerOutput: ...
-
-    def release(self, seq: Request) -> None: ...
 
 
 def eos_token_ids(model: PreTrainedModel) -> frozenset[int]:
@@ -229,64 +187,72 @@ class ModelRunner:
     # --- one step -----------------------------------------------------------------------------------------------
 
     def run(self, batch: ScheduledBatch) -> RunnerOutput:
-        """Forward the batch's scheduled tokens; the sequences that get a new token, their tokens, and per
-        sequence its `params.logprobs` best token ids at that position (None when it asked for none).
+        """Forward the batch's scheduled tokens; the requests that get a new token, their tokens, and per
+        request its `params.logprobs` best token ids at that position (None when it asked for none).
 
-        Sequences' `num_computed_tokens` are left to `Scheduler.postprocess`: the runner only reads the batch.
+        The runner only reads the batch: requests' progress is the scheduler's (`Scheduler.update_from_output`).
         """
         ids: list[int] = []
         positions: list[int] = []
         num_groups = len(self.groups)
         slots: list[list[int]] = [[] for _ in range(num_groups)]
         tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
+        query_lens: list[int] = []
         context_lens: list[int] = []
         sample_rows: list[int] = []
-        sampled: list[Request] = []
+        # Batch index of each request that samples, in flat-batch order
+        sampled: list[int] = []
         bs = self.block_size
-        # Decodes first, longest context first, as `PagedContext.build` groups them: each decode group is then a
-        # slice of the flat batch, which attention reads and writes without an index
+        # The step's one order: decodes first, longest context first, as `PagedContext.build` takes them, so that
+        # each decode group is a slice of the flat batch, read and written without an index
         order = sorted(
             range(len(batch.seqs)),
             key=lambda i: (batch.num_new_tokens[i] != 1, -batch.seqs[i].num_computed_tokens),
         )
         for i in order:
-            seq, n = batch.seqs[i], batch.num_new_tokens[i]
+            seq, n, seq_tables = batch.seqs[i], batch.num_new_tokens[i], batch.block_tables[i]
             if seq.external is not None:
-                self.load_external(seq)
+                self.load_external(seq, seq_tables[0])
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids += seq.token_ids[start:end]
             positions += range(start, end)
             num_blocks = cdiv(end, bs)
-            for g, table in enumerate(seq.block_tables):
+            for g, table in enumerate(seq_tables):
                 slots[g] += slots_for(table, start, end, bs)
                 # Entries freed behind a sliding window read block 0: the window's mask hides them (a full
                 # group's table has no such entry).
                 sliding = self.groups[g].window is not None
                 tables[g].append([max(b, 0) for b in table[:num_blocks]] if sliding else table[:num_blocks])
+            query_lens.append(n)
             context_lens.append(end)
-            if end == seq.num_tokens:  # the last known token: its logits give the next one
+            # The last known token: its logits give the next one
+            if end == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
-                sampled.append(seq)
+                sampled.append(i)
         device = self.device
-        ctx = self._context(self.pool, slots, [batch.num_new_tokens[i] for i in order], context_lens, tables)
+        ctx = self._context(self.pool, slots, query_lens, context_lens, tables)
         logits = self.forward(
             torch.tensor([ids], device=device),
             torch.tensor([positions], device=device),
             ctx,
             torch.tensor(sample_rows, dtype=torch.long, device=device),
         )
-        tokens, top_ids = self.sample(sampled, logits[0].float())
-        # Back in the batch's order, in which the scheduler finishes them
-        rank = {id(seq): i for i, seq in enumerate(batch.seqs)}
-        back = sorted(range(len(sampled)), key=lambda j: rank[id(sampled[j])])
-        return RunnerOutput([sampled[j] for j in back], [tokens[j] for j in back], [top_ids[j] for j in back])
+        tokens, top_ids = self.sample([batch.seqs[i] for i in sampled], logits[0].float())
+        # Back in the batch's order, in which the scheduler finishes them: each sampled row by its batch index
+        row_of: list[int | None] = [None] * len(batch.seqs)
+        for row, i in enumerate(sampled):
+            row_of[i] = row
+        rows = [row for row in row_of if row is not None]
+        return RunnerOutput(
+            [batch.seqs[sampled[r]] for r in rows], [tokens[r] for r in rows], [top_ids[r] for r in rows]
+        )
 
-    def load_external(self, seq: Request) -> None:
-        """Write the K/V another engine computed for `seq` into its blocks, past what its prefix-cache hit
-        already holds (`ExternalKV.start`), then drop it: a preempted request recomputes, as in vLLM."""
+    def load_external(self, seq: Request, table: list[int]) -> None:
+        """Write the K/V another engine computed for `seq` into its blocks (`table`), past what its prefix-cache
+        hit already holds (`ExternalKV.start`), then drop it: a preempted request recomputes, as in vLLM."""
         external = seq.external
         assert external is not None
-        self.pool.write_tokens(seq.block_table, external.start, external.kv[:, :, external.start :])
+        self.pool.write_tokens(table, external.start, external.kv[:, :, external.start :])
         seq.external = None
 
     @torch.inference_mode()

@@ -1,4 +1,11 @@
-"""One request as the engine tracks it: its tokens, how many are in the cache, and where they live."""
+"""One request as the engine tracks it: its tokens, its sampling parameters, and how many tokens are computed.
+
+`Request` is vLLM's `Request` and nano-vllm's `Sequence`: the prompt then the output in one list,
+`num_computed_tokens` of them with K/V in the pool (the scheduler's to advance), its metrics and the chained
+hashes of its full blocks. Its blocks are not here: the block manager keeps them by request id.
+`SamplingParams` holds vLLM's knobs kvlab uses; `ExternalKV` is K/V computed by a prefill instance elsewhere.
+Chapters 8 and 17.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ from enum import Enum
 from itertools import count
 from typing import Any
 
+from kvlab.engine.block_pool import hash_block_tokens
 from kvlab.engine.metrics import RequestMetrics
 
 
@@ -55,10 +63,10 @@ class ExternalKV:
     """K and V of a request's first `num_tokens` tokens, computed by another engine (a prefill instance) and
     loaded into this one's pool instead of being computed: vLLM's KV connector on the decode side.
 
-    `kv` is `(layers, 2, num_tokens, kv_heads, head_dim)` in the model's dtype. At admission the block manager
-    gives these tokens blocks and counts them computed, and sets `start` to the tokens its prefix cache served
-    already (those blocks are shared and keep their own values); the runner writes tokens `start..num_tokens`
-    into the pool before the step's forward, then drops `kv`.
+    `kv` is `(layers, 2, num_tokens, kv_heads, head_dim)` in the model's dtype. At admission the scheduler counts
+    these tokens computed and sets `start` to the tokens the prefix cache served already (those blocks are
+    shared and keep their own values); the runner writes tokens `start..num_tokens` into the pool before the
+    step's forward, then drops `kv`.
     """
 
     num_tokens: int
@@ -77,10 +85,11 @@ _ids = count()
 
 @dataclass(eq=False, slots=True)
 class Request:
-    """Tokens so far (prompt then output) and the cache state behind them.
+    """Tokens so far (prompt then output) and how many of them have K/V in the pool.
 
-    `num_computed_tokens` tokens have K/V in the pool; the rest are fed at the next steps. Preemption by recompute
-    sets it back to 0, keeping the tokens, so the sequence re-enters as one longer prompt.
+    The scheduler alone advances `num_computed_tokens`; the rest are fed at the next steps. Preemption by
+    recompute sets it back to 0, keeping the tokens, so the request re-enters as one longer prompt. Its blocks are
+    the KV-cache manager's (`BlockManager.get_block_ids`), not the request's.
     """
 
     token_ids: list[int]
@@ -92,23 +101,19 @@ class Request:
     num_computed_tokens: int = 0
     # The most tokens it has had computed: recomputation after a preemption stays below it.
     max_computed_tokens: int = 0
-    block_tables: list[list[int]] = field(default_factory=lambda: [[]])  # one per KV-cache group
-    cache_salt: str | None = None  # mixed into the first block's hash: no sharing across salts (vLLM's)
-    block_hashes: list[int] = field(default_factory=list)  # of full blocks of token_ids, filled lazily
-    # Where a longer prefix was cached in full-attention groups than in sliding ones at the last lookup (0: none);
-    # sliding groups keep their window there (vLLM 0.33.0 `Request.shared_prefix_boundary`).
+    num_preemptions: int = 0
+    # Mixed into the first block's hash: no sharing across salts (vLLM's)
+    cache_salt: str | None = None
+    # Chained hashes of its full blocks, filled on demand (`update_block_hashes`)
+    block_hashes: list[int] = field(default_factory=list)
+    # Where, at its last admission, full-attention groups had a longer prefix cached than sliding ones (0: none);
+    # sliding groups keep their window there for the next request (vLLM's `shared_prefix_boundary`).
     shared_prefix_boundary: int = 0
     finish_reason: str | None = None  # "stop" (eos), "length" (max_tokens / max_model_len), "error"
     error: str | None = None
     # Per generated token, the `params.logprobs` best token ids at that position (empty when logprobs is None).
     # Kept across preemption: recomputing the prefill does not sample the tokens already generated again.
     top_token_ids: list[list[int]] = field(default_factory=list)
-    # Tokens its blocks hold before `BlockManager.append_slots` has work to do (0: always ask). The block
-    # manager keeps it; the scheduler's loop, which runs once per sequence per step, skips the call below it.
-    slot_limit: int = 0
-    # Leading full blocks the block manager has already offered to the prefix cache since it last gave the
-    # sequence blocks (it keeps the count, so each step looks only at the blocks it fills).
-    num_published_blocks: int = 0
     # K/V of a prefix computed elsewhere, waiting to be loaded (None once loaded, or when there is none).
     external: ExternalKV | None = None
     num_prompt_tokens: int = field(init=False)
@@ -135,14 +140,14 @@ class Request:
         seq.external = ExternalKV(len(prompt), kv)
         return seq
 
-    @property
-    def block_table(self) -> list[int]:
-        """The first KV-cache group's block table (the only one unless the model mixes attention kinds)."""
-        return self.block_tables[0]
-
-    @block_table.setter
-    def block_table(self, table: list[int]) -> None:
-        self.block_tables[0] = table
+    def update_block_hashes(self, block_size: int) -> list[int]:
+        """The chained hashes of its full blocks of `block_size` tokens, computed once (a full block never changes)."""
+        hashes, tokens = self.block_hashes, self.token_ids
+        for i in range(len(hashes), len(tokens) // block_size):
+            parent = hashes[i - 1] if i else None
+            extra = self.cache_salt if i == 0 else None
+            hashes.append(hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size], extra))
+        return hashes
 
     @property
     def num_tokens(self) -> int:

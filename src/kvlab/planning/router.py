@@ -1,6 +1,6 @@
 """Routing requests over several engine replicas, and the prefix-cache hits each routing gets, predicted exactly.
 
-One engine's prefix cache (`kvlab.engine.block_manager`) serves a shared system prompt once it has computed it.
+One engine's prefix cache (`kvlab.engine.block_pool`) serves a shared system prompt once it has computed it.
 Behind a router that spreads requests over N replicas, each replica has its own cache, so a system prompt is
 computed once per replica it reaches: where requests go decides how much is served from cache. This module runs
 real `kvlab.engine.LLMEngine` replicas behind four policies (`POLICIES`), each choosing a replica on arrival:
@@ -17,12 +17,13 @@ real `kvlab.engine.LLMEngine` replicas behind four policies (`POLICIES`), each c
   plus its active blocks (those its requests hold, and the prompt blocks of requests routed to it and still
   waiting); the lowest cost wins, ties to the lowest index. We follow that description, with a weight of 1 on each term; Dynamo's
   "potential" decode blocks also count the incoming request's own blocks, the same on every replica, which
-  changes no choice. The cached blocks are read from each replica's own block manager (its hash table,
-  `BlockManager.cached`), not from a copy kept by the router.
+  changes no choice. The cached blocks are read from each replica's own block pool (its hash index,
+  `BlockPool.cached_block_hash_to_block`), not from a copy kept by the router.
 
 `run_policy` routes a trace and runs the replicas; `predict_hits` says, from the token ids alone, how many prompt
 tokens an assignment of requests to replicas serves from cache. The two agree exactly (tests/test_router.py)
-under the conditions `predict_hits` states, which `run_policy` meets by default and reports (`evicted_blocks`).
+under the conditions `predict_hits` states, which `run_policy` meets by default and reports (`evicted_blocks`,
+the replicas' `BlockPool.num_evictions`).
 `multi_tenant_trace` builds the workload where routing matters: several tenants, each with its own system prompt.
 """
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,10 +40,11 @@ from transformers import PreTrainedModel
 
 from kvlab.checks import check_count
 from kvlab.costs.workloads import TraceRequest
-from kvlab.engine.block_manager import BlockManager, block_hash
+from kvlab.engine.block_manager import BlockManager
+from kvlab.engine.block_pool import hash_block_tokens
 from kvlab.engine.llm_engine import LLMEngine
+from kvlab.engine.outputs import ScheduledBatch
 from kvlab.engine.request import Request, SamplingParams
-from kvlab.engine.scheduler import ScheduledBatch
 from kvlab.units import cdiv
 
 POLICIES = ("round_robin", "least_loaded", "prefix_affinity", "kv_cost")
@@ -174,13 +176,15 @@ def _prefix_pair(prompts: Sequence[tuple[int, ...]]) -> tuple[int, int] | None:
 
 
 def prefix_hashes(prompt: Sequence[int], block_size: int, num_blocks: int | None = None) -> list[int]:
-    """The engine's chained hashes (`kvlab.engine.block_manager.block_hash`, no cache salt) of the prompt's first
+    """The engine's chained hashes (`kvlab.engine.block_pool.hash_block_tokens`, no cache salt) of the prompt's first
     `num_blocks` whole blocks (default: all of them)."""
     whole = len(prompt) // block_size if num_blocks is None else min(num_blocks, len(prompt) // block_size)
     hashes: list[int] = []
     for i in range(whole):
         hashes.append(
-            block_hash(hashes[-1] if hashes else None, list(prompt[i * block_size : (i + 1) * block_size]))
+            hash_block_tokens(
+                hashes[-1] if hashes else None, list(prompt[i * block_size : (i + 1) * block_size])
+            )
         )
     return hashes
 
@@ -211,13 +215,13 @@ def prefix_affinity(prompt: Sequence[int], num_replicas: int, block_size: int, p
     check_count("num_replicas", num_replicas)
     check_count("prefix_blocks", prefix_blocks)
     hashes = prefix_hashes(prompt, check_count("block_size", block_size), prefix_blocks)
-    key = hashes[-1] if hashes else block_hash(None, list(prompt))
+    key = hashes[-1] if hashes else hash_block_tokens(None, list(prompt))
     return key % num_replicas
 
 
 def cached_prompt_blocks(prompt: Sequence[int], block_manager: BlockManager) -> int:
     """Leading whole blocks of `prompt` that `block_manager` holds cached now (in use or free, not evicted), at
-    most those before the prompt's last token, which the engine always computes (`BlockManager.cached_tables`).
+    most those before the prompt's last token, which the engine always computes (`BlockManager.get_computed_blocks`).
 
     Reads the first KV-cache group's hash table: the one group of a model whose layers all attend fully."""
     if not block_manager.enable_prefix_caching:
@@ -225,7 +229,7 @@ def cached_prompt_blocks(prompt: Sequence[int], block_manager: BlockManager) -> 
     bs = block_manager.block_size
     n = 0
     for h in prefix_hashes(prompt, bs, (len(prompt) - 1) // bs):
-        if (0, h) not in block_manager.cached:
+        if (0, h) not in block_manager.block_pool.cached_block_hash_to_block:
             break
         n += 1
     return n
@@ -390,10 +394,8 @@ def run_policy(
         for _ in range(num_replicas)
     ]
     prefill = [0] * num_replicas
-    evicted = [0] * num_replicas
     for k, engine in enumerate(replicas):
         engine.scheduler.on_step.append(functools.partial(_count_prefill, counts=prefill, replica=k))
-        engine.block_manager.allocator.on_evict = _counting_evictions(engine.block_manager, evicted, k)
     assignment: list[int] = []
     seqs: list[Request] = []
     for i, r in enumerate(requests):
@@ -424,7 +426,7 @@ def run_policy(
             for k in range(num_replicas)
         ),
         outputs=tuple(tuple(s.output_token_ids) for s in seqs),
-        evicted_blocks=sum(evicted),
+        evicted_blocks=sum(engine.block_manager.block_pool.num_evictions for engine in replicas),
     )
 
 
@@ -434,19 +436,6 @@ def _count_prefill(batch: ScheduledBatch, counts: list[int], replica: int) -> No
     for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
         start = seq.num_computed_tokens
         counts[replica] += max(0, min(start + n, seq.num_prompt_tokens) - start)
-
-
-def _counting_evictions(
-    block_manager: BlockManager, counts: list[int], replica: int
-) -> Callable[[int, Hashable], None]:
-    """The block manager's eviction callback, counting each eviction first."""
-    forget = block_manager.allocator.on_evict
-
-    def on_evict(block_id: int, key: Hashable) -> None:
-        counts[replica] += 1
-        forget(block_id, key)
-
-    return on_evict
 
 
 def compare_policies(
@@ -513,7 +502,7 @@ def predict_hits(
     Each replica sees its requests in trace order, and a request finds cached the whole blocks of the prompts
     sent there before it (hashes chained, so a block matches only under an equal prefix); its hit is the longest
     run of its leading whole blocks found, at most those before its last token, which vLLM and kvlab's block
-    manager always compute (`BlockManager.cached_tables`: `(len - 1) // block_size` blocks at most, so a prompt
+    manager always compute (`BlockManager.get_computed_blocks`: `(len - 1) // block_size` blocks at most, so a prompt
     cached in full still computes its last block).
 
     Exact under these conditions, which `run_policy` meets by default: no cached block is evicted (pools large

@@ -1,8 +1,9 @@
 """A discrete-event serving simulator: kvlab's own engine, no model, a virtual clock.
 
-`simulate(trace, cost, ...)` replays a request trace through `kvlab.engine.LLMEngine` itself, run on a
-`kvlab.engine.cost_runner.CostRunner` and a `kvlab.engine.clock.VirtualClock`: admission, chunked prefill, prefix caching,
-preemption by recompute, token appending and finishing are the engine's one step loop, not a second copy. What
+`simulate(trace, cost, ...)` replays a request trace through kvlab's engine itself, on a cost runner and a
+`kvlab.engine.clock.VirtualClock`: admission, chunked prefill, prefix caching, preemption by recompute, token
+appending and finishing are the engine's one step loop, not a second copy. It runs the engine as
+`kvlab.planning.fast_engine.FastEngine`, which takes the same decisions with less work per step. What
 it leaves out is the model: each step is charged the seconds a cost model gives for the batch it scheduled (a
 `StepCost`), and each sequence that finishes its scheduled tokens "samples" a placeholder token. Requests ignore
 eos and produce their trace's `max_tokens`, as in vLLM's serving benchmarks.
@@ -39,10 +40,10 @@ from kvlab.costs.workloads import TraceRequest
 from kvlab.engine import LLMEngine
 from kvlab.engine.clock import VirtualClock, WallClock
 from kvlab.engine.config import EngineConfig
-from kvlab.engine.cost_runner import CostRunner
 from kvlab.engine.metrics import SLO, RequestMetrics, StepStats, summarize
+from kvlab.engine.outputs import ScheduledBatch
 from kvlab.engine.request import Request, SamplingParams
-from kvlab.engine.scheduler import ScheduledBatch
+from kvlab.planning.fast_engine import FastEngine, PlaceholderRunner
 
 
 class StepCost(Protocol):
@@ -275,7 +276,7 @@ def simulate(
     stop_when: Callable[[RequestMetrics], bool] | None = None,
     **knobs: Any,
 ) -> SimulationResult:
-    """Replay `trace` through kvlab's engine with no model: a `CostRunner` charged by `cost` on a virtual clock.
+    """Replay `trace` through kvlab's engine with no model: a cost runner charged by `cost` on a virtual clock.
 
     The knobs are `kvlab.engine.config.EngineConfig`'s (a config, keywords, or both as `LLMEngine` takes them), with the
     pool given in blocks (`num_blocks`; `kvlab.costs.budget.MemoryBudget.num_blocks` for a GPU). `max_model_len` is
@@ -294,8 +295,8 @@ def simulate(
         raise ValueError("the simulator needs the pool's size: num_blocks")
     if concurrency is not None and (isinstance(concurrency, bool) or concurrency < 1):
         raise ValueError(f"concurrency must be a positive integer, got {concurrency!r}")
-    runner = CostRunner(cost, config.num_blocks, config.max_model_len)
-    engine = LLMEngine(
+    runner = PlaceholderRunner(cost, config.num_blocks, config.max_model_len)
+    engine = FastEngine(
         config=replace(config, max_model_len=None),
         runner=runner,
         clock=VirtualClock(),

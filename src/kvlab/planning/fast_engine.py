@@ -1,0 +1,176 @@
+"""The simulator's engine: `kvlab.engine.LLMEngine` with the shortcuts a 20,000-request plan needs.
+
+A plan replays tens of thousands of requests through the engine's own scheduler on a `CostRunner`, several
+times, so the serving loop's per-request work is the planner's whole cost. These subclasses take the same
+decisions as the engine the chapters show, with less work per step:
+
+- `FastBlockManager` keeps, for a model of one full-attention group, each request's slot limit: the tokens its
+  blocks hold before a step needs new blocks or fills one. Below it, a step needs no block work at all.
+- `FastScheduler` skips `allocate_slots` below that limit, and fills the batch's lists in place.
+- `FastBatch` knows that a token budget cuts at most the last request it schedules, so it finds the one prompt
+  chunk without a scan; it keeps no block tables, which a cost runner never reads.
+- `PlaceholderRunner` keeps one placeholder token object per request, not one per output token.
+
+`FastEngine` is the engine built from them. Its results equal the general engine's to the bit
+(tests/test_simulate.py). Chapter 14.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvlab.engine.block_manager import BlockManager, ComputedBlocks
+from kvlab.engine.cost_runner import CostRunner, placeholder_token
+from kvlab.engine.llm_engine import LLMEngine
+from kvlab.engine.outputs import BlockTables, RunnerOutput, ScheduledBatch
+from kvlab.engine.request import Request
+from kvlab.engine.scheduler import Scheduler
+from kvlab.units import cdiv
+
+
+class FastBlockManager(BlockManager):
+    """`BlockManager` that also keeps each request's slot limit when the model has one full-attention group."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.single_full_group = self.windows == [None]
+        self.slot_limit: dict[str, int] = {}
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_computed_tokens: int | None = None,
+        new_computed_blocks: ComputedBlocks | None = None,
+        reserve_tokens: int = 0,
+    ) -> bool:
+        if not super().allocate_slots(
+            request, num_new_tokens, num_computed_tokens, new_computed_blocks, reserve_tokens
+        ):
+            return False
+        if self.single_full_group:
+            rid = request.request_id
+            assert rid is not None
+            if num_computed_tokens is not None:
+                start = num_computed_tokens
+            elif new_computed_blocks is not None:
+                start = new_computed_blocks.num_computed_tokens
+            else:
+                start = request.num_computed_tokens
+            end = start + num_new_tokens
+            bs = self.block_size
+            blocks = len(self.managers[0].req_to_blocks[rid])
+            held = blocks * bs
+            # What the table holds by the one rule that sizes tables
+            while held and cdiv(held, bs) > blocks:
+                held -= bs
+            if self.enable_prefix_caching:
+                # A step that fills a block must come back, so that its block is published
+                held = min(held, (end // bs + 1) * bs - 1)
+            self.slot_limit[rid] = held
+        return True
+
+    def free(self, request: Request) -> None:
+        super().free(request)
+        self.slot_limit.pop(str(request.request_id), None)
+
+
+class FastBatch(ScheduledBatch):
+    """A batch in which only the last request can be a prompt chunk cut by the budget; no block tables."""
+
+    def add(self, seq: Request, num_new_tokens: int, block_tables: BlockTables) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+        end = seq.num_computed_tokens + num_new_tokens
+        self.contexts.append(end)
+        if end < len(seq.token_ids):
+            self.num_partial += 1
+
+    def _only_last_cut(self) -> bool:
+        return self.num_partial == 1 and self.contexts[-1] < len(self.seqs[-1].token_ids)
+
+    def sampled(self) -> list[Request]:
+        if self.num_partial and self._only_last_cut():
+            return self.seqs[:-1]
+        return super().sampled()
+
+    def chunks(self) -> list[tuple[Request, int]]:
+        if self.num_partial and self._only_last_cut():
+            return [(self.seqs[-1], self.contexts[-1])]
+        return super().chunks()
+
+
+class FastScheduler(Scheduler):
+    """`Scheduler` whose running loop skips the block work a step below a request's slot limit does not need."""
+
+    def new_batch(self) -> ScheduledBatch:
+        return FastBatch()
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        bm = self.block_manager
+        if not isinstance(bm, FastBlockManager) or not bm.single_full_group:
+            return super()._schedule_running(batch, budget)
+        # Once per running request per step: names are bound locally
+        running, allocate_slots, limits = self.running, bm.allocate_slots, bm.slot_limit
+        num_new_tokens, contexts = batch.num_new_tokens, batch.contexts
+        for seq in running:
+            if budget <= 0:
+                break
+            computed = seq.num_computed_tokens
+            n = len(seq.token_ids) - computed
+            if n > budget:
+                n = budget
+            end = computed + n
+            if end > limits.get(seq.request_id, 0):  # type: ignore[arg-type]
+                while not allocate_slots(seq, n):
+                    victim = running.pop()
+                    self._preempt_request(victim)
+                    batch.preempted.append(victim)
+                    if victim is seq:
+                        break
+                else:
+                    victim = None
+                if victim is seq:
+                    break
+            num_new_tokens.append(n)
+            contexts.append(end)
+            budget -= n
+        batch.seqs.extend(running[: len(num_new_tokens)])
+        # A request cut short by the budget ends the loop: only the last can be a prompt chunk
+        if num_new_tokens and contexts[-1] < len(batch.seqs[-1].token_ids):
+            batch.num_partial = 1
+        return budget
+
+
+class _Placeholders(dict[Request, int]):
+    """Each request's placeholder token, made on first lookup."""
+
+    def __missing__(self, seq: Request) -> int:
+        token = self[seq] = placeholder_token(seq)
+        return token
+
+
+class PlaceholderRunner(CostRunner):
+    """`CostRunner` that keeps one placeholder token object per running request: 20,000 requests of a few
+    hundred tokens would otherwise hold millions of int objects."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._placeholder = _Placeholders()
+
+    def run(self, batch: ScheduledBatch) -> RunnerOutput:
+        seconds = float(self.cost(batch.num_new_tokens, batch.context_lens()))
+        self.step_seconds.append(seconds)
+        sampled = batch.sampled()
+        # map() over the dict's own lookup runs in C: this is once per request per step
+        return RunnerOutput(sampled, list(map(self._placeholder.__getitem__, sampled)), None, seconds)
+
+    def release(self, seq: Request) -> None:
+        self._placeholder.pop(seq, None)
+
+
+class FastEngine(LLMEngine):
+    """`LLMEngine` on `FastBlockManager` and `FastScheduler` (give it a `PlaceholderRunner`)."""
+
+    block_manager_cls = FastBlockManager
+    scheduler_cls = FastScheduler
