@@ -409,3 +409,61 @@ def test_labs_end_as_pages_not_logs(lab):
         if text_output_chars(c) > MAX_TEXT_OUTPUT_CHARS
     ]
     assert not long, f"text outputs over {MAX_TEXT_OUTPUT_CHARS:,} characters: {long}"
+
+
+# Labs that read as pages to the end (issue 51, section 3): every visible assert and every claim's attempt log sits
+# in one closing section, and the last cell says what the reader saw and what to run next, with papermill -p.
+CHECKS_HEADING = "## How this lab checks itself"
+PAGE_LABS = ("08_continuous_batching", "12_beyond_hbm")
+
+
+def claim_machinery_above_checks(path) -> list[str] | None:
+    """Ids of the cells above the checks section that show an assert or print a claim's attempts; None if the lab
+    has no checks section."""
+    import ast
+
+    from kvlab.claims import parse_attempts
+
+    found = []
+    for cell in json.loads(Path(path).read_text())["cells"]:
+        if cell["cell_type"] == "markdown" and CHECKS_HEADING in source(cell):
+            return found
+        if cell["cell_type"] != "code":
+            continue
+        shown_assert = "remove-input" not in tags(cell) and any(
+            isinstance(node, ast.Assert) for node in ast.walk(ast.parse(source(cell)))
+        )
+        printed = "".join(
+            "".join(o.get("text", "")) for o in cell.get("outputs", []) if o.get("output_type") == "stream"
+        )
+        if shown_assert or parse_attempts(printed):
+            found.append(cell.get("id"))
+    return None
+
+
+def test_claim_machinery_above_the_checks_is_found(tmp_path):
+    def lab(*cells):
+        path = tmp_path / "lab.ipynb"
+        path.write_text(json.dumps({"cells": list(cells)}))
+        return path
+
+    heading = {"cell_type": "markdown", "source": CHECKS_HEADING + "\n"}
+    shown = {"cell_type": "code", "id": "a", "metadata": {}, "source": "assert 1 < 2\n", "outputs": []}
+    log = {"output_type": "stream", "text": "the claim, attempt 1/3: holds\n"}
+    logged = {"cell_type": "code", "id": "b", "metadata": {}, "source": "x = 1\n", "outputs": [log]}
+    hidden = dict(shown, metadata={"tags": ["remove-input"]})
+    assert claim_machinery_above_checks(lab(shown, logged, heading)) == ["a", "b"]
+    assert claim_machinery_above_checks(lab(hidden, heading, shown)) == []
+    assert claim_machinery_above_checks(lab(shown)) is None
+
+
+@pytest.mark.parametrize("name", PAGE_LABS)
+def test_labs_check_themselves_at_the_end(name):
+    lab = ROOT / "book" / name / "lab.ipynb"
+    found = claim_machinery_above_checks(lab)
+    assert found is not None, f"no '{CHECKS_HEADING}' section"
+    assert not found, f"move these asserts or attempt logs under '{CHECKS_HEADING}': {found}"
+    last = json.loads(lab.read_text())["cells"][-1]
+    assert last["cell_type"] == "markdown" and re.search(r"papermill \S+ \S+ -p ", source(last)), (
+        "end the lab with what the reader saw and what to try next, with a papermill -p line"
+    )
