@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvlab.agreement import Agreement
+    from kvlab.costs.budget import MemoryBudget
 
 
 @dataclass
@@ -84,6 +85,41 @@ def glue_all(values: Mapping[str, Any], *, prefix: str = "") -> None:
 
 
 # --- Greedy agreement that a near-tie cannot flip ----------------------------------------------------------------
+
+
+def budget_table(plan: MemoryBudget, caption: str = "") -> Table:
+    """A memory budget term by term, as chapter 5 shows it: the capacity, every term taken before the pool (the
+    rule's own, `MemoryBudget.stack`), the block rounding and the pool, expected and floor."""
+    from kvlab.units import format_bytes
+
+    rows: list[tuple[str, str, str]] = [
+        ("capacity", format_bytes(plan.capacity_bytes), "what the driver (nvidia-smi) reports")
+    ]
+    rows += [(f"− {name}", format_bytes(value), note) for name, value, note in plan.stack() if value]
+    if plan.fits:
+        rows += [
+            (
+                "− block rounding",
+                format_bytes(plan.rounding_bytes),
+                f"whole blocks of {plan.block_size} tokens",
+            ),
+            (
+                "= KV pool (expected)",
+                format_bytes(plan.kv_pool_bytes),
+                f"{plan.num_blocks:,} blocks: {plan.max_tokens():,} tokens",
+            ),
+        ]
+        if plan.floor is not None:
+            rows.append(
+                (
+                    "KV pool floor",
+                    format_bytes(plan.kv_pool_floor_bytes),
+                    f"{plan.floor.max_tokens():,} tokens, every estimate at its bound",
+                )
+            )
+    else:
+        rows.append(("= KV pool", "none", "the terms above exceed the capacity"))
+    return Table(["term", "bytes", "what it is"], rows, caption=caption)
 
 
 def tokens_kept(agreement: Agreement) -> int:
