@@ -30,14 +30,17 @@ def test_size_report(capsys):
     assert "64 KiB (65,536 B, fp8)" in out
     assert "2 GiB at 32k tokens" in out and "32 GiB for 16 sequences" in out
     assert "fits" in out and "room for" in out
+    # vLLM 0.34's measured rule by default: the context, the margin and the transient peak kept free
     for term in (
         "capacity",
-        "engine cap",
+        "rule: vLLM 0.34.0",
         "CUDA context",
         "weights",
-        "activations",
+        "margin",
+        "transient peak",
         "block rounding",
-        "KV pool",
+        "KV pool (expected)",
+        "KV pool floor",
     ):
         assert term in out
 
@@ -45,7 +48,22 @@ def test_size_report(capsys):
 def test_budget_lines_for_the_issue_example():
     text = cli.size_report("meta-llama/Llama-3.1-8B", 8192, 1, gpu="H100-SXM")
     assert "79.6 GiB" in text  # 81,559 MiB as the driver reports, not 80e9 B
-    assert "sequences that fit" in text and "(512 blocks each)" in text
+    # 0.34's blocks of 64 tokens; 0.33's of 16
+    assert "sequences that fit" in text and "(128 blocks each)" in text
+    older = cli.size_report(
+        "meta-llama/Llama-3.1-8B", 8192, 1, budget.BudgetSettings(vllm_version="0.33"), gpu="H100-SXM"
+    )
+    assert "(512 blocks each)" in older and "engine cap" in older and "rule: vLLM 0.33.0" in older
+
+
+def test_size_takes_a_vllm_version(capsys):
+    argv = ["size", "meta-llama/Llama-3.1-8B", "--gpu", "H100-SXM", "--context", "8k"]
+    assert cli.main([*argv, "--vllm-version", "0.27.1"]) == 0
+    assert "0.20.0's rule, the nearest older release kvlab read" in capsys.readouterr().out
+    assert cli.main([*argv, "--no-extensible-kv-cache"]) == 0
+    assert "extensible KV cache off" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--vllm-version", "0.4"])
 
 
 def test_does_not_fit():

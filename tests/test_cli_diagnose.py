@@ -44,8 +44,9 @@ def test_json_file_with_flags_overriding_it(tmp_path, capsys):
 def test_flags_only(capsys):
     argv = ["--model", "meta-llama/Llama-3.1-70B", "--gpu", "H100-SXM", "--mean-input", "500"]
     code, out, _ = run([*argv, "--mean-output", "300", "--concurrency", "16"], capsys)
-    # TP=2 leaves no block on an H100 at vLLM 0.33's defaults (tests/test_diagnose.py derives it): TP=4
-    assert code == 0 and "start with: 9. multi-GPU topology" in out and "--tensor-parallel-size 4" in out
+    # one H100 holds no block of Llama-3.1-70B; TP=2 does at vLLM 0.34's defaults (tests/test_diagnose.py), and
+    # TP=4 at 0.33's with every estimate at its bound
+    assert code == 0 and "start with: 9. multi-GPU topology" in out and "--tensor-parallel-size 2" in out
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ def test_budget_and_concurrency_come_from_the_one_budget_function():
     )
     mb = budget.memory_budget("meta-llama/Llama-3.1-8B", "H100-SXM")
     assert p.budget == mb
-    assert p.max_sequences == mb.max_sequences(8192) == mb.num_blocks // 512
+    assert p.max_sequences == mb.max_sequences(8192) == mb.num_blocks // mb.blocks_per_sequence(8192)
     assert p.vllm_max_concurrency == pytest.approx(mb.max_tokens() / 8192)
     assert p.max_sequences <= p.vllm_max_concurrency < p.max_sequences + 1
     text = p.report()

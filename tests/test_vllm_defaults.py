@@ -117,7 +117,7 @@ def test_the_check_finds_a_typed_default():
 @pytest.mark.parametrize(
     ("asked", "rule", "said"),
     [
-        (None, "0.34.0", "the current release"),
+        (None, "0.34.0", "vLLM 0.34.0"),
         ("0.34.0", "0.34.0", "vLLM 0.34.0"),
         ("0.34", "0.34.0", "vLLM 0.34.0"),
         ("0.33", "0.33.0", "vLLM 0.33.0"),

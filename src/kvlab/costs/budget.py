@@ -467,11 +467,15 @@ class MemoryBudget:
                 ),
                 (
                     "transient peak",
-                    transient,
-                    f"kept free: activations {format_bytes(self.peak_bytes)} ({self._peak_note()}) + graph "
-                    f"estimate {format_bytes(self.cuda_graph_estimate_bytes)}",
+                    transient - self.encoder_cache_bytes,
+                    f"kept free: activations {format_bytes(self.peak_bytes - self.encoder_cache_bytes)} "
+                    f"({self._peak_note()}) + graph estimate {format_bytes(self.cuda_graph_estimate_bytes)}",
                 ),
             ]
+            if self.encoder_cache_bytes:
+                out.append(
+                    ("encoder cache", self.encoder_cache_bytes, f"kept free too: {self.encoder_cache_source}")
+                )
             out.append(
                 (
                     "reservation cap",

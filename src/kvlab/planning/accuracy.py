@@ -371,8 +371,9 @@ def render(page: str, found: list[Row]) -> str:
         pattern = re.compile(rf"<!-- accuracy:{name} -->\n.*?\n<!-- /accuracy:{name} -->", re.DOTALL)
         if not pattern.search(page):
             raise ValueError(f"the page has no <!-- accuracy:{name} --> block")
-        block = _BLOCK.format(name=name, body=body)
-        page = pattern.sub(lambda _, block=block: block, page)
+        match = pattern.search(page)
+        assert match is not None
+        page = page[: match.start()] + _BLOCK.format(name=name, body=body) + page[match.end() :]
     return page
 
 

@@ -285,7 +285,7 @@ def resolve(version: str | None = None) -> ResolvedRelease:
     """The rule for `version`: a release ("0.6.3", "0.34.0") or a family ("v0", "v1"); None is the current
     release. A release between two that kvlab read gets the nearer older one's rule, and the note says so."""
     if version is None:
-        return ResolvedRelease(CURRENT.version, CURRENT, f"vLLM {CURRENT.version}, the current release")
+        return ResolvedRelease(CURRENT.version, CURRENT, f"vLLM {CURRENT.version}")
     name = version.strip().lower()
     if name in FAMILIES:
         rule = FAMILIES[name]
