@@ -15,17 +15,19 @@ import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvlab.book import sweep
 from kvlab.costs import budget
 from kvlab.specs import arch, hardware, shape, sizing, vllm_defaults
-from kvlab.units import format_bytes, format_count, format_tokens, parse_tokens
+from kvlab.units import format_bytes, format_count, format_tokens, parse_millis, parse_rate, parse_tokens
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from kvlab.specs.images import ImageCost
+
+_T = TypeVar("_T")
 
 
 def _positive_int(text: str) -> int:
@@ -55,47 +57,21 @@ def _gpu(text: str) -> str:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _tokens(text: str) -> int:
-    try:
-        return parse_tokens(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+def _argument(parse: Callable[[str], _T]) -> Callable[[str], _T]:
+    """A `kvlab.units` parser as an argparse type: its one-line ValueError becomes argparse's error."""
+
+    def convert(text: str) -> _T:
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    return convert
 
 
-def _millis(text: str) -> float:
-    """'500ms', '0.5s', '20us' or a bare number of milliseconds."""
-    raw = text.strip().lower()
-    scale = 1.0
-    if raw.endswith("ms"):
-        raw = raw[:-2]
-    elif raw.endswith(("us", "µs")):
-        raw, scale = raw[:-2], 1e-3
-    elif raw.endswith("s"):
-        raw, scale = raw[:-1], 1e3
-    try:
-        value = float(raw) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a duration such as 500ms or 0.5s, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive duration, got {text!r}")
-    return value
-
-
-def _rate(text: str) -> float:
-    """'4/s', '4' (requests per second) or '240/min'."""
-    raw = text.strip().lower()
-    scale = 1.0
-    if raw.endswith("/min"):
-        raw, scale = raw[:-4], 1 / 60
-    elif raw.endswith("/s"):
-        raw = raw[:-2]
-    try:
-        value = float(raw) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a request rate such as 4/s, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive request rate, got {text!r}")
-    return value
+_tokens = _argument(parse_tokens)
+_millis = _argument(parse_millis)
+_rate = _argument(parse_rate)
 
 
 def _length(text: str) -> float:

@@ -1,4 +1,4 @@
-"""Reading and writing sizes the way people type them: 32k tokens, 1.5 GiB."""
+"""Reading and writing sizes the way people type them: 32k tokens, 1.5 GiB, 500ms, 4/s."""
 
 from __future__ import annotations
 
@@ -27,6 +27,42 @@ def parse_tokens(text: str | int) -> int:
         value = int(digits) * scale
     if value <= 0:
         raise ValueError(f"a token count must be positive, got {text!r}")
+    return value
+
+
+def parse_millis(text: str) -> float:
+    """'500ms', '0.5s', '20us' or a bare number, in milliseconds. Zero, infinite and malformed text are errors."""
+    raw = text.strip().lower()
+    scale = 1.0
+    if raw.endswith("ms"):
+        raw = raw[:-2]
+    elif raw.endswith(("us", "µs")):
+        raw, scale = raw[:-2], 1e-3
+    elif raw.endswith("s"):
+        raw, scale = raw[:-1], 1e3
+    try:
+        value = float(raw) * scale
+    except ValueError:
+        raise ValueError(f"expected a duration such as 500ms or 0.5s, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"expected a positive duration, got {text!r}")
+    return value
+
+
+def parse_rate(text: str) -> float:
+    """'4/s', '4' (requests per second) or '240/min', in requests per second."""
+    raw = text.strip().lower()
+    scale = 1.0
+    if raw.endswith("/min"):
+        raw, scale = raw[:-4], 1 / 60
+    elif raw.endswith("/s"):
+        raw = raw[:-2]
+    try:
+        value = float(raw) * scale
+    except ValueError:
+        raise ValueError(f"expected a request rate such as 4/s, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"expected a positive request rate, got {text!r}")
     return value
 
 

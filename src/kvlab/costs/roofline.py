@@ -330,6 +330,19 @@ def decode_step_time(
     """Predicted seconds of one decode step (see `decode_step`): the roofline bound, or with `realistic=True`
     the realistic model (`realistic_time`: achievable ceilings, fp8 peak, per-step overhead)."""
     step = decode_step(config, hw, batch_size, context_len, dtype, kv_dtype)
+    return _seconds(step, config, hw, dtype, kv_dtype, realistic, realism)
+
+
+def _seconds(
+    step: StepEstimate,
+    config: Config,
+    hw: Hardware,
+    dtype: DType,
+    kv_dtype: DType,
+    realistic: bool,
+    realism: Realism | None,
+) -> float:
+    """A step's predicted seconds: its roofline bound, or the realistic model's time."""
     if not realistic:
         return step.time_s
     return realistic_time(step, hw, _dtypes(config, dtype, kv_dtype)[0], realism)
@@ -382,9 +395,7 @@ def prefill_time(
     """Predicted seconds to prefill (the time to first token, less queueing and sampling): the roofline bound,
     or with `realistic=True` the realistic model (see `decode_step_time`)."""
     step = prefill(config, hw, batch_size, prompt_len, dtype, kv_dtype)
-    if not realistic:
-        return step.time_s
-    return realistic_time(step, hw, _dtypes(config, dtype, kv_dtype)[0], realism)
+    return _seconds(step, config, hw, dtype, kv_dtype, realistic, realism)
 
 
 def compute_bound_prompt_len(

@@ -179,38 +179,33 @@ class QuantizedKVLayer(DynamicLayer):
         self.stored = {k: v.index_select(0, beam_idx.to(v.device)) for k, v in self.stored.items()}
 
 
-class Int8Layer(QuantizedKVLayer):
+class PerTokenLayer(QuantizedKVLayer):
+    """One byte per element and one fp16 scale per token and head; the subclass names its quantizer."""
+
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    dequantize: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+
+    def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        for name, x in (("k", keys), ("v", values)):
+            codes, scale = type(self).quantize(x)
+            self._cat(name, codes)
+            self._cat(name + "_scale", scale)
+
+    def _dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        s, dequantize = self.stored, type(self).dequantize
+        return dequantize(s["k"], s["k_scale"], self.dtype), dequantize(s["v"], s["v_scale"], self.dtype)
+
+
+class Int8Layer(PerTokenLayer):
     method = "int8"
-
-    def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        for name, x in (("k", keys), ("v", values)):
-            codes, scale = quantize_int8(x)
-            self._cat(name, codes)
-            self._cat(name + "_scale", scale)
-
-    def _dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.stored
-        return (
-            dequantize_int8(s["k"], s["k_scale"], self.dtype),
-            dequantize_int8(s["v"], s["v_scale"], self.dtype),
-        )
+    quantize = staticmethod(quantize_int8)
+    dequantize = staticmethod(dequantize_int8)
 
 
-class Fp8Layer(QuantizedKVLayer):
+class Fp8Layer(PerTokenLayer):
     method = "fp8"
-
-    def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        for name, x in (("k", keys), ("v", values)):
-            codes, scale = quantize_fp8(x)
-            self._cat(name, codes)
-            self._cat(name + "_scale", scale)
-
-    def _dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.stored
-        return (
-            dequantize_fp8(s["k"], s["k_scale"], self.dtype),
-            dequantize_fp8(s["v"], s["v_scale"], self.dtype),
-        )
+    quantize = staticmethod(quantize_fp8)
+    dequantize = staticmethod(dequantize_fp8)
 
 
 class Int4Layer(QuantizedKVLayer):
