@@ -186,3 +186,27 @@ def test_chapter_3_s_prefill_long_end_is_work_at_every_profile(gb):
     small = tiny_config("llama", **{k: cpu[k] for k in ("layers", "hidden", "heads", "kv_heads", "vocab")})
     second = sorted(cpu["prompt_lens"])[-2]
     assert roofline.prefill(small, hardware.get(DEVICES[gb]), 1, second, dtype="bf16").time_s < LAUNCHES_S
+
+
+@pytest.mark.parametrize("gb", sorted(DEVICES))
+def test_chapter_3_s_batch_shares_its_weight_reads_at_every_profile(gb):
+    """timing.batch_cost's bound, sqrt(batch) batch-1 steps, against the datasheet's memory-bound step: the
+    weights read once, the batch's cache read and copied by DynamicCache's append (3 x its bytes), with a fifth
+    to spare. At 24 GB a 1,024-token batch context would not (hence its 256)."""
+    from kvlab.models import tiny_config
+    from kvlab.specs.sizing import kv_cache_bytes, weight_bytes
+
+    chapter = "03_prefill_decode"
+    values = lab(chapter) | profiles.choose(chapter, lab(chapter), profiles.TYPICAL_FREE[gb]).sizes
+    config = tiny_config(
+        "llama", **{k: values[k] for k in ("layers", "hidden", "heads", "kv_heads", "vocab")}
+    )
+    weights, largest = weight_bytes(config, "bf16"), max(values["batch_sizes"])
+
+    def step(batch, context=values["batch_context"]):
+        # a memory-bound step's time is its bytes over the device's one bandwidth
+        return weights + 3 * kv_cache_bytes(config, context, batch, "bf16")
+
+    assert step(largest) / step(1) < largest**0.5 / 1.2, gb
+    if gb == 24:
+        assert step(largest, 1024) / step(1, 1024) > largest**0.5 / 1.2

@@ -96,13 +96,40 @@ def gpu_sized(data: Mapping[str, Mapping[str, Any]] | None = None) -> list[str]:
 def lab_defaults(
     book: Path, data: Mapping[str, Mapping[str, Any]] | None = None
 ) -> dict[str, dict[str, Any]]:
-    """Chapter -> its lab's `parameters` cell (`kvlab.book.sweep.notebook_parameters`), as JSON keeps it: the CPU
-    defaults a reader's values are told from, and the sizes a peak is predicted at where no lab is at hand."""
+    """Chapter -> the CPU defaults (its lab's `parameters` cell, `kvlab.book.sweep.notebook_parameters`) of every
+    parameter its profiles set or its peak is predicted from, for each chapter a GPU sizes (`gpu_sized`): the
+    values a reader's are told from, and the sizes a peak is predicted at where no lab is at hand."""
     from kvlab.book.sweep import notebook_parameters
 
     data = data if data is not None else read_params()
-    cells = {chapter: notebook_parameters(book / chapter / "lab.ipynb") for chapter in sorted(data)}
-    return dict(json.loads(json.dumps(cells)))
+    out = {}
+    for chapter in gpu_sized(data):
+        cell = notebook_parameters(book / chapter / "lab.ipynb")
+        names = profile_names(chapter, data)
+        predict = PREDICTORS.get(chapter)
+        for gb in PROFILES_GB:
+            values = _Reads(cell | profile(chapter, gb, data))
+            if predict is not None:
+                predict(values)
+            names |= values.read
+        out[chapter] = {name: cell[name] for name in sorted(names) if name in cell}
+    return dict(json.loads(json.dumps(out)))
+
+
+class _Reads(dict[str, Any]):
+    """A dict that notes every key read: the parameters a predictor uses."""
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        super().__init__(values)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
 
 
 @cache
