@@ -281,3 +281,24 @@ def test_the_image_and_the_carried_wheels_hold_what_the_labs_import(tmp_path):
     done = subprocess.run([*script, "--wheels", str(without)], capture_output=True, text=True, env=env)
     assert done.returncode == 1
     assert "missing on the GPU machine: docutils (imported by myst_nb.glue)" in done.stdout
+
+
+def test_make_gpu_passes_each_lab_the_profile_it_would_pick():
+    """On a GPU, `make gpu` sizes each lab by the device's free memory (read by the probe child), as the lab's
+    own profile cell would: the 24 GB profile of chapter 3 on an L4, the 80 GB one on an H100."""
+    from kvlab.book import profiles
+    from kvlab.units import GiB
+
+    book = ROOT / "book"
+    on_l4 = load_params(gpu.PARAMS, book, free_bytes=22 * GiB)
+    on_h100 = load_params(gpu.PARAMS, book, free_bytes=78 * GiB)
+    assert on_l4["03_prefill_decode"] == profiles.profile("03_prefill_decode", 24)
+    assert (
+        on_h100["03_prefill_decode"]
+        == profiles.profile("03_prefill_decode", 80)
+        == load_params(gpu.PARAMS, book)["03_prefill_decode"]
+    )
+    # the dry run ignores the device: the 80 GB values with the CPU stub over them
+    assert (
+        load_params(gpu.PARAMS, book, stub=True, free_bytes=22 * GiB)["03_prefill_decode"]["hidden"] == 1024
+    )
