@@ -96,6 +96,21 @@ def test_what_may_scroll_is_noted_apart_from_what_must_fit():
     assert len(browser_book.overflow_lines(overflows, 1280, must_fit=False)) == 2
 
 
+def test_a_figure_or_table_cut_at_the_column_needs_a_line_saying_it_scrolls():
+    cut = [
+        {"kind": "figure", "what": "Figure 5.1 a.png", "hidden": 160, "scrolls": True, "hinted": False},
+        {"kind": "figure", "what": "Figure 5.2 b.png", "hidden": 160, "scrolls": True, "hinted": True},
+        {"kind": "table", "what": "The log says", "hidden": 145, "scrolls": False, "hinted": False},
+        {"kind": "table", "what": "Term", "hidden": 1, "scrolls": True, "hinted": False},  # rounding
+        {"kind": "figure", "what": "Diagram 5 m.svg", "hidden": -16, "scrolls": False, "hinted": False},
+    ]
+    assert browser_book.cut_lines(cut, 412) == [
+        "figure 'Figure 5.1 a.png': 160 px of it cut off at the right at a 412 px window, and no line above it "
+        "says it scrolls sideways",
+        "table 'The log says': 145 px of it cut off at the right at a 412 px window, with nothing to scroll it",
+    ]
+
+
 def test_each_pass_owns_its_section_of_the_notes(tmp_path, monkeypatch):
     monkeypatch.setattr(browser_book, "SCREENSHOTS", tmp_path)
     browser_book.write_notes("At 1280", ["a"])

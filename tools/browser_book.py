@@ -6,7 +6,9 @@ cell (`div.highlight pre`) or table wider than its box; and every raster figure 
 kvlab.book.plot (its PNG carries kvlab's text chunks), has no legend on its data and no colliding labels, and shows
 its smallest text at 11 CSS px or more: that text's points (from the chunks) x dpi / 72 (pHYs) x the width the
 page shows the image / its natural width. A second pass at a 412 px phone window asks for 9 CSS px (figures
-keep a minimum width there and scroll: _ext/static/kvlab_figures.css). SVG diagrams have their own test
+keep a minimum width there and scroll: _ext/static/kvlab_figures.css). At both widths, a figure or table wider
+than its column must not be cut silently: its box scrolls and a visible line above it says so
+(_ext/static/kvlab_figures.js; a prose table is stacked instead). SVG diagrams have their own test
 (tools/browser_diagrams.py). Full-page screenshots go to _build/screenshots/book/ and book-phone/.
 Reported, not asserted, in _build/screenshots/readability.txt: "chapter N" references that are not links,
 display equations wider than the column, and code cells or tables that scroll at the phone width.
@@ -40,6 +42,8 @@ async () => {
   if (window.MathJax && MathJax.startup && MathJax.startup.promise) { await MathJax.startup.promise; }
   const images = Array.from(document.images);
   await Promise.all(images.map((img) => { img.loading = "eager"; return img.decode().catch(() => null); }));
+  // A few frames for the page's own scripts to lay out what the loads changed (kvlab_figures.js)
+  for (let frame = 0; frame < 3; frame++) await new Promise((done) => requestAnimationFrame(done));
   const broken = images.filter((img) => !img.complete || img.naturalWidth === 0).map((img) => img.src);
   // Raster figures the reader sees: SVG diagrams are checked by tools/browser_diagrams.py; an image in a
   // collapsed block has no box.
@@ -52,9 +56,9 @@ async () => {
   // scrolls inside its own box is only noted.
   const scrolls = (el) => {
     for (let up = el.parentElement; up && up.tagName !== "ARTICLE"; up = up.parentElement) {
-      if (["auto", "scroll"].includes(getComputedStyle(up).overflowX)) return true;
+      if (["auto", "scroll"].includes(getComputedStyle(up).overflowX)) return up;
     }
-    return false;
+    return null;
   };
   const overflows = Array.from(document.querySelectorAll("article div.highlight pre, article table"))
     .filter((el) => el.getBoundingClientRect().width > 0)
@@ -67,6 +71,40 @@ async () => {
       return {kind: table ? "table" : (input ? "code cell" : "printed or command block"),
         over: Math.max(el.scrollWidth - el.clientWidth, el.scrollWidth - box.clientWidth),
         text: (table ? lines[0] : longest).slice(0, 70), must_fit: input || (table && !scrolls(el))};
+    });
+  // A figure or table wider than what shows it: the part past the right edge of the box that scrolls it (or of
+  // the window, or of a box that clips it, when nothing scrolls). The reader must be told that it scrolls: a
+  // visible line right above that box (_ext/static/kvlab_figures.js writes it).
+  const hinted = (box) => {
+    const hint = box.previousElementSibling;
+    return hint !== null && hint.classList.contains("kvlab-scroll-hint") && hint.getBoundingClientRect().height > 0
+      && hint.innerText.trim() !== "";
+  };
+  const rightEdge = (el) => {
+    let edge = document.documentElement.clientWidth;
+    for (let up = el.parentElement; up; up = up.parentElement) {
+      if (["hidden", "clip"].includes(getComputedStyle(up).overflowX)) {
+        edge = Math.min(edge, up.getBoundingClientRect().left + up.clientLeft + up.clientWidth);
+      }
+    }
+    return edge;
+  };
+  const caption = (img) => {
+    const next = document.evaluate("following::p[1]", img, null, XPathResult.FIRST_ORDERED_NODE_TYPE, null)
+      .singleNodeValue;
+    const found = next && next.innerText.match(/^(?:Figure|Diagram|示意图|图)\s*[0-9.]*[0-9]/);
+    return found ? found[0] + " " : "";
+  };
+  const cut = Array.from(document.querySelectorAll("article table, article img"))
+    .filter((el) => el.getBoundingClientRect().width > 0 && !el.closest(".kvlab-jupyterlab-only"))
+    .map((el) => {
+      const box = scrolls(el);
+      const edge = box ? box.getBoundingClientRect().left + box.clientLeft + box.clientWidth : rightEdge(el);
+      const table = el.tagName === "TABLE";
+      return {kind: table ? "table" : "figure", scrolls: box !== null, hinted: box !== null && hinted(box),
+        hidden: Math.round(el.getBoundingClientRect().right - edge),
+        what: table ? el.innerText.split("\n")[0].slice(0, 70)
+          : caption(el) + new URL(el.src).pathname.split("/").pop().slice(0, 24)};
     });
   const links = Array.from(document.querySelectorAll("a[href]"))
     .filter((a) => !a.closest(".kvlab-jupyterlab-only")).map((a) => a.href);
@@ -90,7 +128,7 @@ async () => {
   const wideMath = Array.from(document.querySelectorAll('mjx-container[display="true"]'))  // cut at the column
     .filter((c) => c.querySelector("mjx-math").getBoundingClientRect().width > c.getBoundingClientRect().width + 1)
     .map((c) => c.querySelector("mjx-assistive-mml")?.textContent);
-  return {broken, figures, overflows, links, maths: maths.length, untypeset, mathErrors, text, crossRefs,
+  return {broken, figures, overflows, cut, links, maths: maths.length, untypeset, mathErrors, text, crossRefs,
     wideMath};
 }
 """
@@ -185,6 +223,18 @@ def overflow_lines(overflows: list[dict], window_width: int, must_fit: bool = Tr
     ]
 
 
+def cut_lines(cut: list[dict], window_width: int) -> list[str]:
+    """Each figure or table the page shows only in part with nothing telling the reader so: more than OVERFLOW_PX
+    of it lies past the right edge of its box, and either no line above that box says it scrolls sideways, or
+    nothing scrolls at all (the rest is out of reach)."""
+    return [
+        f"{c['kind']} {c['what']!r}: {c['hidden']} px of it cut off at the right at a {window_width} px window, "
+        + ("and no line above it says it scrolls sideways" if c["scrolls"] else "with nothing to scroll it")
+        for c in cut
+        if c["hidden"] > OVERFLOW_PX and not (c["scrolls"] and c["hinted"])
+    ]
+
+
 def write_notes(title: str, notes: list[str]) -> None:
     """Replace this window's section of readability.txt (each browser pass owns one section)."""
     path = SCREENSHOTS / "readability.txt"
@@ -231,6 +281,7 @@ def read_page(context, path: Path, screenshot: Path | None) -> tuple[list[str], 
     notes += [f"{name}: cross-reference not a link: {ref!r}" for ref in found["crossRefs"]]
     notes += [f"{name}: equation wider than the column: {m!r}" for m in found["wideMath"]]
     problems += [f"{name}: {p}" for figure in found["figures"] for p in figure_problems(figure, width)]
+    problems += [f"{name}: {line}" for line in cut_lines(found["cut"], width)]
     wide = [f"{name}: {line}" for line in overflow_lines(found["overflows"], width)]
     notes += [f"{name}: {line}" for line in overflow_lines(found["overflows"], width, must_fit=False)]
     # Code cells and unscrollable tables must fit the laptop's column; on a phone they may scroll sideways.
@@ -269,6 +320,79 @@ def check_book(viewport: dict, screenshots: str, notes_title: str) -> None:
     write_notes(notes_title, notes)
     assert shots > 0
     assert not problems, "\n".join(problems)
+
+
+STATIC = ROOT / "_ext" / "static"  # kvlab_figures.css and .js, as the book's pages load them
+WIDE_PAGE = """<!DOCTYPE html>
+<html lang="{lang}"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="stylesheet" href="{static}/kvlab_figures.css">
+<style>body {{ margin: 0; }} article {{ padding: 0 16px; }} td, th {{ padding: 0.25rem 0.5rem; }}
+.pst-scrollable-table-container {{ overflow-x: auto; }}</style>
+{script}</head><body><article>
+<p><img src="_images/wide.png"></p>
+<p><strong>Figure 1.</strong> A two-panel figure as kvlab.book.plot draws it, the column wide.</p>
+<div class="pst-scrollable-table-container"><table class="table" id="errors">
+<thead><tr><th>The log says</th><th>The term</th><th>What helps</th></tr></thead>
+<tbody><tr><td><code>check_enough_kv_cache_memory</code> fails</td><td>the pool holds less than one
+<code>max_model_len</code> sequence</td><td>a smaller <code>--max-num-batched-tokens</code></td></tr></tbody>
+</table></div>
+<div class="pst-scrollable-table-container"><table class="table" id="narrow">
+<thead><tr><th>Term</th><th>Bytes</th></tr></thead><tbody><tr><td>weights</td><td>15 GiB</td></tr></tbody>
+</table></div>
+<div class="cell_output"><div class="output"><table id="printed"><tr>{numbers}</tr></table></div></div>
+</article></body></html>"""
+
+
+def wide_page(folder: Path, lang: str, script: bool) -> Path:
+    """A page holding what a phone cannot show whole: a column-wide two-panel figure (1075 px), a three-column
+    table of the prose like chapter 5's start-up errors, a narrow table, and a wide table a lab prints."""
+    from PIL import Image
+
+    (folder / "_images").mkdir(exist_ok=True)
+    Image.new("RGB", (int(plot.COLUMN_INCHES * plot.DPI), 400), "white").save(folder / "_images" / "wide.png")
+    page = folder / f"wide-{lang}-{int(script)}.html"
+    tag = f'<script defer src="{STATIC.as_uri()}/kvlab_figures.js"></script>' if script else ""
+    numbers = "".join(f"<td>{123456.789 + i}</td>" for i in range(20))
+    page.write_text(WIDE_PAGE.format(lang=lang, static=STATIC.as_uri(), script=tag, numbers=numbers))
+    return page
+
+
+def test_what_is_wider_than_a_phone_stacks_or_says_it_scrolls(tmp_path):
+    """kvlab_figures.js on a page of its own: at 412 px the prose table is stacked, the figure and the printed
+    table each get a line saying they scroll (in the page's language), so nothing is cut silently; without the
+    script the same page fails the check; at 1280 px only the printed table still scrolls."""
+    with browser() as chromium:
+        found = {}
+        for width, lang, script in [
+            (412, "en", True),
+            (412, "zh-CN", True),
+            (412, "en", False),
+            (1280, "en", True),
+        ]:
+            context = chromium.new_context(viewport={"width": width, "height": 900}, offline=True)
+            page = context.new_page()
+            page.goto(wide_page(tmp_path, lang, script).as_uri(), wait_until="load")
+            report = page.evaluate(PAGE_CHECKS)
+            layout = page.evaluate(
+                """() => ({
+                  stacked: Array.from(document.querySelectorAll("table.kvlab-stacked")).map((t) => t.id),
+                  hints: Array.from(document.querySelectorAll(".kvlab-scroll-hint:not([hidden])"))
+                    .map((h) => h.innerText),
+                  helps: document.querySelector("#errors td:nth-child(3)").getBoundingClientRect().right,
+                })"""
+            )
+            found[(width, lang, script)] = (cut_lines(report["cut"], width), layout)
+            context.close()
+    cut, layout = found[(412, "en", True)]
+    assert cut == [] and layout["stacked"] == ["errors"] and layout["helps"] <= 412 - 16
+    assert layout["hints"] == ["Scroll sideways to see the rest →"] * 2
+    cut, layout = found[(412, "zh-CN", True)]
+    assert cut == [] and layout["hints"] == ["左右滑动查看其余部分 →"] * 2
+    cut, _ = found[(412, "en", False)]
+    assert [line.split(" ")[0] for line in cut] == ["figure", "table", "table"], cut
+    assert cut[0].startswith("figure 'Figure 1 wide.png'") and "The log says" in cut[1]
+    cut, layout = found[(1280, "en", True)]
+    assert cut == [] and layout["stacked"] == [] and len(layout["hints"]) == 1
 
 
 def test_every_page_reads_offline():

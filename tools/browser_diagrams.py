@@ -1,6 +1,6 @@
 """The book's diagrams as a reader sees them (`make browser`, after `make book`): every diagram of
-`kvlab.book.diagrams.DIAGRAMS` is shown on its chapter page, loads, and its smallest text renders at 11 CSS px or more
-in a 1280-px window and at 9 px or more in a 412-px (phone) window.
+`kvlab.book.diagrams.DIAGRAMS` is shown on its chapter page, in both editions, loads, and its smallest text renders at
+11 CSS px or more in a 1280-px window and at 9 px or more in a 412-px (phone) window.
 
 The rendered size of an SVG's text is its font size in the SVG's user units times the image's shown width over
 the viewBox's width; the font sizes are read from the SVG file the page loads, the width from the DOM.
@@ -45,6 +45,15 @@ def smallest_font(svg: Path) -> tuple[float, float]:
     return min(sizes), float(box[3])
 
 
+def pages_of(chapter: str) -> list[tuple[Path, str]]:
+    """The pages that show a chapter's diagram, each with how its caption begins: the English page and its
+    Chinese twin (_build/html/zh, `make book-zh`)."""
+    return [
+        (HTML / "book" / chapter / "index.html", "Diagram"),
+        (HTML / "zh" / "book" / "zh" / f"{chapter}.html", "示意图"),
+    ]
+
+
 def test_every_diagram_is_shown_with_readable_text():
     problems, seen = [], 0
     with browser() as chromium:
@@ -52,31 +61,31 @@ def test_every_diagram_is_shown_with_readable_text():
             context = chromium.new_context(viewport={"width": width, "height": 900}, offline=True)
             page = context.new_page()
             for diagram in DIAGRAMS.values():
-                path = HTML / "book" / diagram.chapter / "index.html"
-                if not path.is_file():
-                    pytest.fail(f"no built page {path}: run `make book` first", pytrace=False)
-                page.goto(path.as_uri(), wait_until="load")
-                shown = [
-                    image
-                    for image in page.evaluate(IMAGES)
-                    if Path(unquote(urlsplit(image["src"]).path)).name == f"{diagram.name}.svg"
-                ]
-                where = f"{diagram.chapter} at {width} px: {diagram.name}.svg"
-                if len(shown) != 1:
-                    problems.append(f"{where}: shown {len(shown)} times, expected once")
-                    continue
-                image = shown[0]
-                if not image["natural"]:
-                    problems.append(f"{where}: does not load")
-                    continue
-                if not image["caption"].startswith("Diagram"):
-                    problems.append(f"{where}: no caption")
-                font, box_width = smallest_font(Path(unquote(urlsplit(image["src"]).path)))
-                px = font * image["shown"] / box_width
-                print(f"{where}: smallest text {px:.1f} px")
-                if px < minimum:
-                    problems.append(f"{where}: smallest text {px:.1f} px (under {minimum} px)")
-                seen += 1
+                for path, caption in pages_of(diagram.chapter):
+                    if not path.is_file():
+                        pytest.fail(f"no built page {path}: run `make book` first", pytrace=False)
+                    page.goto(path.as_uri(), wait_until="load")
+                    shown = [
+                        image
+                        for image in page.evaluate(IMAGES)
+                        if Path(unquote(urlsplit(image["src"]).path)).name == f"{diagram.name}.svg"
+                    ]
+                    where = f"{path.relative_to(HTML)} at {width} px: {diagram.name}.svg"
+                    if len(shown) != 1:
+                        problems.append(f"{where}: shown {len(shown)} times, expected once")
+                        continue
+                    image = shown[0]
+                    if not image["natural"]:
+                        problems.append(f"{where}: does not load")
+                        continue
+                    if not image["caption"].startswith(caption):
+                        problems.append(f"{where}: no caption")
+                    font, box_width = smallest_font(Path(unquote(urlsplit(image["src"]).path)))
+                    px = font * image["shown"] / box_width
+                    print(f"{where}: smallest text {px:.1f} px")
+                    if px < minimum:
+                        problems.append(f"{where}: smallest text {px:.1f} px (under {minimum} px)")
+                    seen += 1
             context.close()
     print(f"\n{seen} diagram views checked")
     assert not problems, "\n".join(problems)

@@ -2,7 +2,8 @@
 
 Every page of it gets tools/browser_book.py's checks (images load, local links and anchors resolve, MathJax
 typeset every equation, no raw `{glue` or TeX left, no JavaScript error) and a full-page screenshot under
-_build/screenshots/zh/ at 1280 px; the intro and two chapters also at 412 px, a phone's width. Beyond those:
+_build/screenshots/zh/ at 1280 px; the intro and three chapters also at 412 px, a phone's width (where a figure or
+table cut at the column must say that it scrolls, as tools/browser_book.py checks). Beyond those:
 each page is marked Chinese (`lang="zh-CN"`), links the same page of the English edition at its top, and has a
 Chinese sidebar; and a CJK font is installed, without which the screenshots show empty boxes for every 汉字.
 
@@ -19,8 +20,14 @@ from browser_book import HTML, PHONE, SKIP, VIEWPORT, read_page
 from chromium import ROOT, SCREENSHOTS, browser
 
 ZH_HTML = HTML / "zh"
-# The pages shown at both widths: the intro and two chapters (one with equations and figures, one with tables).
-BOTH_WIDTHS = ("book/zh/intro.html", "book/zh/02_sizing.html", "book/zh/07_paging.html")
+# The pages shown at both widths: the intro and three chapters (one with equations and figures, one with tables,
+# and chapter 5, whose two-panel figures scroll and whose start-up-error table stacks at a phone's width).
+BOTH_WIDTHS = (
+    "book/zh/intro.html",
+    "book/zh/02_sizing.html",
+    "book/zh/05_active_tokens.html",
+    "book/zh/07_paging.html",
+)
 HANZI = re.compile(r"[\u4e00-\u9fff]")
 GENERATED = {"search.html"}  # Sphinx's search page: not a page of the book, it has no counterpart
 
