@@ -12,14 +12,17 @@ LAB = ROOT / "book" / "appendix_cheat_sheet" / "lab.ipynb"
 
 
 def test_a_row_worked_by_hand():
-    # Llama-3.1-70B on H100s: at TP 2 the weights leave no pool, so TP 4, the smallest that holds a 32k request.
-    assert not budget.memory_budget("meta-llama/Llama-3.1-70B", "H100-SXM", tp=2).fits
-    row = lookup.lookup_row("meta-llama/Llama-3.1-70B", "H100-SXM")
-    four = budget.memory_budget("meta-llama/Llama-3.1-70B", "H100-SXM", tp=4)
-    assert row.tp == 4 and row.budget == four and row.pool_tokens == four.max_tokens()
-    max_num_seqs = BudgetSettings(tp=4).batch_limits("H100-SXM", "meta-llama/Llama-3.1-70B")[1]
+    # Llama-3.1-70B on H100s: the row's TP is the smallest whose pool holds one 32k request.
+    model, gpu = "meta-llama/Llama-3.1-70B", "H100-SXM"
+    row = lookup.lookup_row(model, gpu)
+    assert row.tp is not None and row.tp > 1, "one H100 does not hold the 70B model's weights and a request"
+    smaller = budget.memory_budget(model, gpu, tp=row.tp // 2)
+    assert not smaller.fits or smaller.max_sequences(lookup.SERVED_LEN) < 1
+    mine = budget.memory_budget(model, gpu, tp=row.tp)
+    assert row.budget == mine and row.pool_tokens == mine.max_tokens() >= lookup.SERVED_LEN
+    max_num_seqs = BudgetSettings(tp=row.tp).batch_limits(gpu, model)[1]
     for context, n in row.sequences.items():
-        assert n == min(four.max_sequences(context), max_num_seqs)
+        assert n == min(mine.max_sequences(context), max_num_seqs)
     # more tokens, fewer sequences
     counts = list(row.sequences.values())
     assert counts == sorted(counts, reverse=True) and counts[0] > counts[-1]
