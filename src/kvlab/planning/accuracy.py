@@ -395,8 +395,16 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     found = rows()
     if "--write" in args:
+        import re
+
         for path in PAGES:
             path.write_text(render(path.read_text(), found))
+        # the Chinese twin names the hash of the English page it translates
+        english, chinese = PAGES
+        digest = hashlib.sha256(english.read_bytes()).hexdigest()
+        chinese.write_text(
+            re.sub(r"source_sha256: \S+", f"source_sha256: {digest}", chinese.read_text(), count=1)
+        )
     print(summary_lines(found))
     return 0
 
