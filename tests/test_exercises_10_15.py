@@ -209,19 +209,30 @@ def test_toc_puts_chapters_14_and_15_in_planning_a_deployment() -> None:
 def test_ch14_budget_table_term_by_term() -> None:
     plan = budget.memory_budget("meta-llama/Llama-3.1-8B", "H100-SXM")
     page = (BOOK / "14_capacity_planning" / "index.md").read_text()
-    terms = {
-        "capacity": plan.capacity_bytes,
+    # vLLM 0.34's measured rule: no engine cap; a margin and the transient peak are kept free instead
+    taken = {
         "− driver reserve": plan.driver_reserved_bytes,
-        "− engine cap": plan.engine_cap_bytes,
+        "− context": plan.context_bytes,
         "− non-torch memory": plan.runtime_bytes,
         "− weights": plan.weight_bytes,
-        "− activations": plan.peak_bytes,
         "− CUDA graphs": plan.cuda_graph_bytes,
+        "− margin": plan.margin_bytes,
+        "− transient peak": plan.transient_bytes,
+    }
+    # The table's terms are the whole budget: nothing else is taken, up to block rounding.
+    assert plan.capacity_bytes - sum(taken.values()) - plan.kv_pool_bytes == plan.rounding_bytes
+    terms = {
+        "capacity": plan.capacity_bytes,
+        **taken,
         "− block rounding": plan.rounding_bytes,
         "= KV pool": plan.kv_pool_bytes,
     }
     for term, value in terms.items():
         assert f"| {term} | {format_bytes(value)} |" in page, term
+    assert (
+        f"| − block rounding | {format_bytes(plan.rounding_bytes)} | whole blocks of {plan.block_size} tokens |"
+        in page
+    )
     assert f"| {plan.max_sequences(8192)} requests of 8,192 tokens |" in page
 
 
