@@ -308,14 +308,24 @@ def test_ch15_mha_summaries_with_an_output_spread() -> None:
 
 
 def test_ch15_70b_tensor_parallel_size_by_gpu() -> None:
-    tp = {}
-    for gpu in ("H200", "H100-SXM"):
-        d = diagnose(deployment_from_dict(CH15_70B | {"gpu": gpu}))
-        assert d.first is not None and d.first.step == 9, gpu
-        tp[gpu] = int(d.first.numbers["tp_fit"])
-    assert tp["H200"] < tp["H100-SXM"]
+    h100 = diagnose(deployment_from_dict(CH15_70B | {"gpu": "H100-SXM"}))
+    h200 = diagnose(deployment_from_dict(CH15_70B | {"gpu": "H200"}))
+    # On an H100 the weights leave no pool: lever 9 names the smallest TP that fits.
+    assert h100.first is not None and h100.first.step == 9
+    tp_h100 = int(h100.first.numbers["tp_fit"])
+    # vLLM 0.34 leaves the weights a pool on one H200, shorter than one max_model_len request: lever 1 first,
+    # then lever 2; the next TP up lifts both.
+    tp_h200 = h200.deployment.settings.tp
+    assert h200.memory.fits and tp_h200 < tp_h100
+    assert h200.first is not None and h200.first.step == 1
+    active = h200.levers[1]
+    assert active.step == 2 and active.applies
+    assert diagnose(deployment_from_dict(CH15_70B | {"gpu": "H200", "tp": 2 * tp_h200})).first is None
     assert_in(
         answers("15_where_to_start")[2],
-        f"`--tensor-parallel-size {tp['H200']}` on an H200, against {tp['H100-SXM']} on an H100-SXM",
-        f"at TP={tp['H200']}",
+        f"`--tensor-parallel-size {tp_h200}` on an H200, against {tp_h100} on an H100-SXM",
+        f"holds only {h200.memory.max_tokens():,} tokens, less than one {h200.deployment.context_limit:,}-token request",
+        f"`--max-model-len {h200.first.numbers['needed']:.0f}`",
+        f"caps the running requests at {active.numbers['fits_seqs']:.0f}",
+        f"TP={2 * tp_h200} would lift both limits",
     )
