@@ -25,6 +25,7 @@ BOX = re.compile(r"^:::\{admonition\} " + re.escape(TITLE) + r"\n(?P<body>.*?)^:
 CLASS_LINE = ":class: tip kvlab-try-it"
 
 VLLM_033 = "https://github.com/vllm-project/vllm/blob/v0.33.0/"
+VLLM_034 = "https://github.com/vllm-project/vllm/blob/v0.34.0/"
 VLLM_063 = "https://github.com/vllm-project/vllm/blob/v0.6.3.post1/"
 SGLANG_0523 = "https://github.com/sgl-project/sglang/blob/v0.5.23/"
 
@@ -47,6 +48,8 @@ VLLM_033_FILES = {
     "vllm/v1/worker/gpu_worker.py",
     "vllm/v1/worker/utils.py",
 }
+# Files of the vllm-0.34.0 wheel that the pages link: the extensible KV cache and the configs that resolve it.
+VLLM_034_FILES = {"vllm/config/cache.py", "vllm/config/vllm.py", "vllm/v1/worker/extensible_kv_cache.py"}
 # vLLM 0.6.3.post1 (the v0 engine) and SGLang 0.5.23 (its wheel's sglang/ is python/sglang/ in the repository).
 VLLM_063_FILES = {"vllm/config.py", "vllm/engine/arg_utils.py", "vllm/worker/worker.py"}
 SGLANG_0523_FILES = {
@@ -235,7 +238,7 @@ def test_box_names_a_command_and_a_kvlab_figure(page):
         r"Figure \d+\.\d+|\{glue:text\}`lab\.ipynb::\w+|`kvlab (size|plan|diagnose|explain-vllm)\b", box
     )
     assert figure, "the box names the kvlab figure, glued number or CLI command to compare with"
-    assert VLLM_033 in box, "the box links the vLLM 0.33.0 source it relies on"
+    assert VLLM_033 in box or VLLM_034 in box, "the box links the vLLM source (0.33.0 or 0.34.0) it relies on"
 
 
 def test_no_chapter_keeps_a_knob_box():
@@ -299,6 +302,7 @@ def test_links_point_at_files_of_the_pinned_releases():
         text = page.read_text()
         for base, files in (
             (VLLM_033, VLLM_033_FILES),
+            (VLLM_034, VLLM_034_FILES),
             (VLLM_063, VLLM_063_FILES),
             (SGLANG_0523, SGLANG_0523_FILES),
         ):
