@@ -365,3 +365,21 @@ def test_token_eviction_does_not_apply_to_a_model_whose_cache_is_bounded():
     assert D.situation(d).resident > D.situation(d).pool
     assert not lever.applies
     assert lever.why == "does not apply: the model has sliding layers, whose cache is already bounded"
+
+
+def test_a_higher_utilisation_is_offered_only_below_1():
+    """vLLM 0.34 already uses the whole GPU (gpu_memory_utilization 1.0): lever 2 offers no higher share there,
+    while under 0.33's default of 0.92 it does."""
+    spec = dict(
+        model="meta-llama/Llama-2-7b-hf",
+        gpu="A100-80GB",
+        mean_input=2000,
+        mean_output=500,
+        concurrency=64,
+        max_model_len=4096,
+    )
+    now = diagnose(deployment_from_dict(spec)).levers[1]
+    before = diagnose(deployment_from_dict(spec | {"vllm_version": "0.33.0"})).levers[1]
+    assert now.applies and before.applies
+    assert "--gpu-memory-utilization" not in now.vllm
+    assert before.vllm.endswith("(or a higher --gpu-memory-utilization)")

@@ -322,7 +322,8 @@ def active_tokens(s: Situation) -> Lever:
         applies=applies,
         why=why,
         chapters=("05_active_tokens/index", "08_continuous_batching/index"),
-        vllm=f"--max-num-seqs {max(1, fits_seqs)} (or a higher --gpu-memory-utilization)",
+        vllm=f"--max-num-seqs {max(1, fits_seqs)}"
+        + ("" if s.memory.gpu_memory_utilization >= 1 else " (or a higher --gpu-memory-utilization)"),
         sglang=f"--max-running-requests {max(1, fits_seqs)} (or a higher --mem-fraction-static)",
         numbers={"resident": resident, "pool": pool, "fits_seqs": fits_seqs},
     )
