@@ -3,7 +3,7 @@
 The page carries a form whose fields are `kvlab size`'s own long flags (their choices read from its argparse
 parser, the models from the registry, the GPUs from the spec table) and one module script,
 `_static/calculator/calculator.js`, added to that page only (a classic script: it imports Pyodide's module itself, and from file:// it says the book must be served over HTTP). The script loads Pyodide and kvlab's source from the
-built book when the page opens, and answers with `kvlab.book.calculator`, i.e. `kvlab size ... --json`.
+built book when the page opens, and answers with `kvlab.calculator`, i.e. `kvlab size ... --json`.
 
 At the end of an HTML build it copies into `_static/calculator/`:
 

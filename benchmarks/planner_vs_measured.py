@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvlab.book import planner_figure
 from kvlab.book.diagrams import save_svg
 from kvlab.planning import measured
 
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     print(measured.mape_line("all", table.rows["fitted"]))
     if args.write:
         measured.STORED.write_text(table.dumps())
-        save_svg(measured.figure(table.rows["fitted"]), FIGURE)
+        save_svg(planner_figure.planner_vs_measured(table.rows["fitted"]), FIGURE)
         print(f"wrote {measured.STORED.relative_to(ROOT)} and {FIGURE.relative_to(ROOT)}")
     return 0
 

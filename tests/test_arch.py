@@ -6,7 +6,7 @@ import pytest
 from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 
 from kvlab import models
-from kvlab.specs import arch, shape
+from kvlab.specs import arch, images, shape
 from kvlab.specs.layers import SlidingWindowAttention
 
 
@@ -99,7 +99,8 @@ STATUSES = {"verbatim", "verbatim, abridged", "content-verified", "reconstructed
 
 
 def test_every_stored_config_is_indexed_and_every_entry_stored():
-    stored = {p.name for p in CONFIGS.glob("*.json")} - {"index.json", shape.SHAPES.name}
+    # besides the configs: the index, the stored shapes and the image rules (kvlab.specs.images)
+    stored = {p.name for p in CONFIGS.glob("*.json")} - {"index.json", shape.SHAPES.name, images.RULES.name}
     assert stored == {arch.config_path(name).name for name in INDEX}
     assert list(INDEX) == arch.registry() and set(EXPECTED) == set(INDEX)
 

@@ -180,7 +180,7 @@ LAYERS = [
     {"kvlab.planning"},
     {"kvlab.experiments"},
     {"kvlab.book"},
-    {"kvlab.cli"},
+    {"kvlab.cli", "kvlab.calculator"},
 ]
 
 

@@ -13,11 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvlab.book import planner_figure
 from kvlab.book.diagrams import svg_bytes
 from kvlab.costs import roofline
-from kvlab.costs.frontend import Frontend
 from kvlab.costs.workloads import TraceRequest
 from kvlab.planning import measured
+from kvlab.planning.frontend import Frontend
 from kvlab.planning.plan import RooflineStepCost
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,7 +125,7 @@ def test_the_table_meets_the_issue_and_splits_as_documented(table):
 
 
 def test_figure_is_the_stored_table(table):
-    assert FIGURE.read_bytes() == svg_bytes(measured.figure(table.rows["fitted"]))
+    assert FIGURE.read_bytes() == svg_bytes(planner_figure.planner_vs_measured(table.rows["fitted"]))
     text = FIGURE.read_text()
     for metric in measured.METRICS:
         assert f"{measured.NAMES[metric]} ({measured.mape(table.rows['fitted'], metric):.0f} % MAPE)" in text

@@ -1,4 +1,4 @@
-"""`kvlab size --json`, the calculator's driver (kvlab.book.calculator), a pasted config.json sized as its registry
+"""`kvlab size --json`, the calculator's driver (kvlab.calculator), a pasted config.json sized as its registry
 twin, and the stored image rules that let both run without transformers (book/calculator)."""
 
 import json
@@ -7,8 +7,7 @@ import sys
 
 import pytest
 
-from kvlab import cli
-from kvlab.book import calculator
+from kvlab import calculator, cli
 from kvlab.costs import budget
 from kvlab.specs import arch, images, shape, vllm_serve
 from kvlab.units import format_bytes

@@ -40,7 +40,7 @@ TWIN = "meta-llama/Llama-3.1-8B"
 
 def cli_json(args: dict, cwd=None) -> dict:
     """What `kvlab size ... --json` prints for `args` (kvlab.cli.main, the console script's entry point)."""
-    from kvlab.book.calculator import command_line
+    from kvlab.calculator import command_line
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.chdir(cwd or HTML):

@@ -1,6 +1,6 @@
 // The book's calculator (book/calculator, _ext/kvlab_calculator.py): kvlab's own Python, run by Pyodide in the
 // reader's browser from files of the built book. No formula lives here: every figure comes from
-// kvlab.book.calculator, i.e. `kvlab size ... --json`. This script reads the form, keeps the settings in the
+// kvlab.calculator, i.e. `kvlab size ... --json`. This script reads the form, keeps the settings in the
 // URL, and draws what that JSON says. A classic script: opened from file://, where Chromium loads no module
 // script, it says so instead of failing.
 (() => {
@@ -41,7 +41,7 @@ const ready = (async () => {
   mark("python");
   const site = pyodide.runPython("import sysconfig; sysconfig.get_paths()['purelib']");
   pyodide.unpackArchive(new Uint8Array(await zip), "zip", { extractDir: site });
-  const calculator = pyodide.pyimport("kvlab.book.calculator");
+  const calculator = pyodide.pyimport("kvlab.calculator");
   mark("kvlab");
   return calculator;
 })();

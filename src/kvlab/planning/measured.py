@@ -14,7 +14,7 @@ Two kinds of record:
   Poisson rate; the replay draws the workload (`kvlab.costs.workloads.Workload`).
 
 `Constants` are the replay's free constants: the realistic model's three (`kvlab.costs.roofline.Realism`) and a
-front-end delay per request (`kvlab.costs.frontend`). `CITED` is what `kvlab plan` ships, fitted to none of
+front-end delay per request (`kvlab.planning.frontend`). `CITED` is what `kvlab plan` ships, fitted to none of
 these runs; `fit` tunes them on the calibration runs (`CALIBRATION`) only, and the rest are out of sample.
 `benchmarks/planner_vs_measured.py` prints the table; `STORED` is its last output, which `kvlab plan` quotes
 (`nearest`) and chapter 14's figure draws (`figure`). Chapter: *Capacity planning* (book/14_capacity_planning).
@@ -34,9 +34,9 @@ import numpy as np
 from transformers import AutoConfig, PretrainedConfig
 
 from kvlab.costs import budget, roofline
-from kvlab.costs.frontend import Frontend
 from kvlab.costs.workloads import TraceRequest, Workload
 from kvlab.engine.metrics import RequestMetrics
+from kvlab.planning.frontend import Frontend
 from kvlab.planning.plan import RooflineStepCost
 from kvlab.specs import arch
 
@@ -475,49 +475,6 @@ def nearest(rows: Sequence[Row], gpu: str, params_b: float) -> tuple[str, list[R
     sizes = sorted({r.params_b for r in chosen})
     span = f"{sizes[0]:.1f}B" if len(sizes) == 1 else f"{sizes[0]:.1f}-{sizes[-1]:.1f}B"
     return f"{where}, {span} models", chosen
-
-
-def figure(rows: Sequence[Row]) -> Any:
-    """Predicted against measured, one panel per metric, log axes: each run a marker (colour and shape by
-    source, hollow for the calibration runs), the diagonal and a ±25 % band (chapter 14's figure)."""
-    from kvlab.book import plot
-
-    fig, panels = plot.figure(3, height=3.2)
-    axes = list(panels) if isinstance(panels, Sequence | np.ndarray) else [panels]
-    markers = ["o", "s", "^", "D", "v"]
-    sources = list(dict.fromkeys(r.source for r in rows))
-    for ax, metric in zip(axes, METRICS, strict=True):
-        values = [v for r in rows for v in (r.measured[metric], r.predicted[metric])]
-        lo, hi = min(values) / 1.5, max(values) * 1.5
-        line = np.geomspace(lo, hi, 50)
-        ax.fill_between(
-            line, line / 1.25, line * 1.25, color="#8d96a3", alpha=0.25, lw=0, label="within ±25 %"
-        )
-        ax.plot(line, line, color="#333333", lw=0.8, label="predicted = measured")
-        for i, source in enumerate(sources):
-            colour = plot.PALETTE[i % len(plot.PALETTE)]
-            for split, face in (("holdout", colour), ("calibration", "none")):
-                part = [r for r in rows if r.source == source and r.split == split]
-                if part:
-                    ax.scatter(
-                        [r.measured[metric] for r in part],
-                        [r.predicted[metric] for r in part],
-                        s=22,
-                        marker=markers[i % len(markers)],
-                        facecolors=face,
-                        edgecolors=colour,
-                        linewidths=0.9,
-                        label=source if split == "holdout" else f"{source}, calibration",
-                    )
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlim(lo, hi)
-        ax.set_ylim(lo, hi)
-        ax.set_title(f"{NAMES[metric]} ({mape(rows, metric):.0f} % MAPE)")
-        ax.set_xlabel("measured, ms")
-    axes[0].set_ylabel("predicted, ms")
-    plot.legend_outside(fig, axes, where="bottom", ncol=2)
-    return fig
 
 
 def track_record(gpu: str, model: roofline.Config, table: Table | None = None) -> str:
