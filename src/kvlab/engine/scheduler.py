@@ -201,11 +201,16 @@ class Scheduler:
             progressed = self._advance(seq, end) or progressed
         finished = []
         eos, max_model_len = self.eos_token_ids, self.config.max_model_len
+        # Once per sampled token (the planner's hot loop): `_advance` written out
         for seq, token in zip(output.seqs, output.token_ids, strict=True):
             # A request samples once all its tokens are in
-            end = seq.num_tokens
-            progressed = self._advance(seq, end) or progressed
-            seq.token_ids.append(token)
+            token_ids = seq.token_ids
+            end = len(token_ids)
+            seq.num_computed_tokens = end
+            if end > seq.max_computed_tokens:
+                seq.max_computed_tokens = end
+                progressed = True
+            token_ids.append(token)
             metrics = seq.metrics
             metrics.token_times.append(now)
             if metrics.first_token_time is None:

@@ -44,30 +44,45 @@ class FastBlockManager(BlockManager):
         new_computed_blocks: ComputedBlocks | None = None,
         reserve_tokens: int = 0,
     ) -> bool:
-        if not super().allocate_slots(
-            request, num_new_tokens, num_computed_tokens, new_computed_blocks, reserve_tokens
-        ):
-            return False
-        if self.single_full_group:
-            rid = request.request_id
-            assert rid is not None
-            if num_computed_tokens is not None:
-                start = num_computed_tokens
-            elif new_computed_blocks is not None:
-                start = new_computed_blocks.num_computed_tokens
-            else:
-                start = request.num_computed_tokens
+        if not self.single_full_group:
+            return super().allocate_slots(
+                request, num_new_tokens, num_computed_tokens, new_computed_blocks, reserve_tokens
+            )
+        rid = request.request_id
+        assert rid is not None
+        if new_computed_blocks is None:
+            end = request.num_computed_tokens + num_new_tokens
+            if not self._grow_one_table(request, end):
+                return False
+        else:
+            start = (
+                new_computed_blocks.num_computed_tokens
+                if num_computed_tokens is None
+                else num_computed_tokens
+            )
+            if not super().allocate_slots(
+                request, num_new_tokens, start, new_computed_blocks, reserve_tokens
+            ):
+                return False
             end = start + num_new_tokens
-            bs = self.block_size
-            blocks = len(self.managers[0].req_to_blocks[rid])
-            held = blocks * bs
-            # What the table holds by the one rule that sizes tables
-            while held and cdiv(held, bs) > blocks:
-                held -= bs
-            if self.enable_prefix_caching:
-                # A step that fills a block must come back, so that its block is published
-                held = min(held, (end // bs + 1) * bs - 1)
-            self.slot_limit[rid] = held
+        bs = self.block_size
+        held = len(self.managers[0].req_to_blocks[rid]) * bs
+        # With caching, a step that fills a block must come back, so that its block is published
+        self.slot_limit[rid] = min(held, (end // bs + 1) * bs - 1) if self.enable_prefix_caching else held
+        return True
+
+    def _grow_one_table(self, request: Request, end: int) -> bool:
+        """`allocate_slots` for a running request of one full-attention group: nothing behind a window to free,
+        one table to grow, and the blocks it fills published."""
+        manager = self.managers[0]
+        table = manager.req_to_blocks[str(request.request_id)]
+        missing = cdiv(end, self.block_size) - len(table)
+        if missing > 0:
+            if missing > self.block_pool.num_free_blocks:
+                return False
+            table += self.block_pool.get_new_blocks(missing)
+        if self.enable_prefix_caching:
+            manager.cache_blocks(request, end)
         return True
 
     def free(self, request: Request) -> None:
