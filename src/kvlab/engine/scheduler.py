@@ -197,8 +197,9 @@ class Scheduler:
             hook(batch)
         progressed = False
         # Prompt chunks sample nothing: only their computed tokens advance
-        for seq, end in batch.chunks():
-            progressed = self._advance(seq, end) or progressed
+        if batch.num_partial:
+            for seq, end in batch.chunks():
+                progressed = self._advance(seq, end) or progressed
         finished = []
         eos, max_model_len = self.eos_token_ids, self.config.max_model_len
         # Once per sampled token (the planner's hot loop): `_advance` written out

@@ -126,7 +126,7 @@ class FastScheduler(Scheduler):
         if not isinstance(bm, FastBlockManager) or not bm.single_full_group:
             return super()._schedule_running(batch, budget)
         # Once per running request per step: names are bound locally
-        running, allocate_slots, limits = self.running, bm.allocate_slots, bm.slot_limit
+        running, allocate_slots, limit = self.running, bm.allocate_slots, bm.slot_limit.get
         num_new_tokens, contexts = batch.num_new_tokens, batch.contexts
         for seq in running:
             if budget <= 0:
@@ -136,7 +136,7 @@ class FastScheduler(Scheduler):
             if n > budget:
                 n = budget
             end = computed + n
-            if end > limits.get(seq.request_id, 0):  # type: ignore[arg-type]
+            if end > limit(seq.request_id, 0):  # type: ignore[arg-type]
                 while not allocate_slots(seq, n):
                     victim = running.pop()
                     self._preempt_request(victim)
