@@ -85,7 +85,9 @@ def test_intro_budget_table_is_term_by_term():
         ("KV pool", pool.kv_pool_bytes),
     ]
     terms = sum(value for _, value in expected[1:-1])
-    assert pool.capacity_bytes - terms - pool.kv_pool_bytes == pool.rounding_bytes, "the table is the whole budget"
+    assert pool.capacity_bytes - terms - pool.kv_pool_bytes == pool.rounding_bytes, (
+        "the table is the whole budget"
+    )
     for label, value in expected:
         cells = [cell for row, cell in rows.items() if label in row]
         assert cells, f"intro.md: no budget row for {label!r}"
