@@ -134,6 +134,73 @@ class Lever:
 
 
 @dataclass(frozen=True)
+class Step:
+    """What a lever keeps whatever the deployment: its place in the order, its name, the pages that measure it,
+    and the engine settings it maps to where they do not depend on the figures."""
+
+    number: int
+    name: str
+    chapters: tuple[str, ...]
+    vllm: str = ""
+    sglang: str = ""
+
+    def lever(
+        self, applies: bool, why: str, numbers: dict[str, float], vllm: str = "", sglang: str = ""
+    ) -> Lever:
+        """This step on one deployment; `vllm` and `sglang`, where given, are settings computed from its figures."""
+        vllm, sglang = vllm or self.vllm, sglang or self.sglang
+        return Lever(self.number, self.name, applies, why, self.chapters, vllm, sglang, numbers)
+
+
+# The ten steps of the book's order; levers 1, 2, 7 and 9 name settings computed from the deployment.
+STEPS = {
+    step.number: step
+    for step in (
+        Step(1, "context and output statistics", ("05_active_tokens/index", "06_long_context/index")),
+        Step(2, "active sequences and tokens", ("05_active_tokens/index", "08_continuous_batching/index")),
+        Step(
+            3,
+            "MHA/GQA/MQA",
+            ("02_sizing/index",),
+            "a model with grouped-query (GQA), multi-query (MQA) or latent (MLA) attention; no engine flag",
+            "the same: a model choice, no server flag",
+        ),
+        Step(
+            4,
+            "KV precision",
+            ("11_kv_quantization/index",),
+            "--kv-cache-dtype fp8",
+            "--kv-cache-dtype fp8_e5m2 (or fp8_e4m3)",
+        ),
+        Step(
+            5,
+            "prefix reuse",
+            ("09_prefix_caching/index",),
+            "--enable-prefix-caching",
+            "radix cache (on unless --disable-radix-cache) with --schedule-policy lpm (default fcfs)",
+        ),
+        Step(
+            6,
+            "paging and fragmentation",
+            ("07_paging/index",),
+            "paged by default; --block-size 16 (or smaller)",
+            "paged by default; --page-size 1",
+        ),
+        Step(7, "batching of short requests", ("08_continuous_batching/index", "04_bandwidth_bound/index")),
+        Step(
+            8,
+            "true long-context capacity",
+            ("06_long_context/index", "12_beyond_hbm/index"),
+            "--max-model-len to what you serve; KV offload beyond HBM (chapter 12)",
+            "--context-length; --enable-hierarchical-cache beyond HBM",
+        ),
+        Step(9, "multi-GPU topology", ("13_many_gpus/index",)),
+        Step(10, "token eviction", ("16_fewer_tokens/index",), EVICTION_VLLM, EVICTION_SGLANG),
+    )
+}
+
+
+@dataclass(frozen=True)
 class Diagnosis:
     deployment: Deployment
     memory: MemoryBudget
@@ -286,12 +353,9 @@ def context_statistics(s: Situation) -> Lever:
                 else "not the limit"
             )
             why = f"max_model_len {limit:,} against a mean request of {w.mean_length:,.0f} tokens: {covered}"
-    return Lever(
-        step=1,
-        name="context and output statistics",
-        applies=applies,
-        why=why,
-        chapters=("05_active_tokens/index", "06_long_context/index"),
+    return STEPS[1].lever(
+        applies,
+        why,
         vllm=f"--max-model-len {needed}",
         sglang=f"--context-length {needed}",
         numbers={
@@ -316,12 +380,9 @@ def active_tokens(s: Situation) -> Lever:
         )
     else:
         why = f"{resident:,.0f} resident tokens of a {pool:,}-token pool ({resident / max(pool, 1):.0%})"
-    return Lever(
-        step=2,
-        name="active sequences and tokens",
-        applies=applies,
-        why=why,
-        chapters=("05_active_tokens/index", "08_continuous_batching/index"),
+    return STEPS[2].lever(
+        applies,
+        why,
         vllm=f"--max-num-seqs {max(1, fits_seqs)}"
         + ("" if s.memory.gpu_memory_utilization >= 1 else " (or a higher --gpu-memory-utilization)"),
         sglang=f"--max-running-requests {max(1, fits_seqs)} (or a higher --mem-fraction-static)",
@@ -343,16 +404,7 @@ def attention_type(s: Situation) -> Lever:
         )
     else:
         why = f"{attention} with {spec.kv_heads} KV head(s): {format_bytes(per_token)} per token"
-    return Lever(
-        step=3,
-        name="MHA/GQA/MQA",
-        applies=applies,
-        why=why,
-        chapters=("02_sizing/index",),
-        vllm="a model with grouped-query (GQA), multi-query (MQA) or latent (MLA) attention; no engine flag",
-        sglang="the same: a model choice, no server flag",
-        numbers={"per_token": per_token, "gqa_per_token": gqa_per_token},
-    )
+    return STEPS[3].lever(applies, why, {"per_token": per_token, "gqa_per_token": gqa_per_token})
 
 
 def kv_precision(s: Situation) -> Lever:
@@ -369,16 +421,7 @@ def kv_precision(s: Situation) -> Lever:
         )
     else:
         why = f"{kv_dtype} cache" + (": the load fits without narrowing it" if wide else "")
-    return Lever(
-        step=4,
-        name="KV precision",
-        applies=applies,
-        why=why,
-        chapters=("11_kv_quantization/index",),
-        vllm="--kv-cache-dtype fp8",
-        sglang="--kv-cache-dtype fp8_e5m2 (or fp8_e4m3)",
-        numbers={"fp8_pool": fp8_pool},
-    )
+    return STEPS[4].lever(applies, why, {"fp8_pool": fp8_pool})
 
 
 def prefix_reuse(s: Situation) -> Lever:
@@ -396,31 +439,13 @@ def prefix_reuse(s: Situation) -> Lever:
         why = "prefix caching is on"
     else:
         why = f"shared prefix {share:.0%} of the mean prompt: too little to matter"
-    return Lever(
-        step=5,
-        name="prefix reuse",
-        applies=applies,
-        why=why,
-        chapters=("09_prefix_caching/index",),
-        vllm="--enable-prefix-caching",
-        sglang="radix cache (on unless --disable-radix-cache) with --schedule-policy lpm (default fcfs)",
-        numbers={"share": share, "shared_tokens": shared},
-    )
+    return STEPS[5].lever(applies, why, {"share": share, "shared_tokens": shared})
 
 
 def paging(s: Situation) -> Lever:
     """6. Do contiguous reservations, or big blocks on short requests, waste the pool?"""
     frag, applies, why = _block_waste(s) if s.deployment.paged else _reservation_waste(s)
-    return Lever(
-        step=6,
-        name="paging and fragmentation",
-        applies=applies,
-        why=why,
-        chapters=("07_paging/index",),
-        vllm="paged by default; --block-size 16 (or smaller)",
-        sglang="paged by default; --page-size 1",
-        numbers={"fragmentation": frag},
-    )
+    return STEPS[6].lever(applies, why, {"fragmentation": frag})
 
 
 def _block_waste(s: Situation) -> tuple[float, bool, str]:
@@ -467,12 +492,9 @@ def batching(s: Situation) -> Lever:
         )
     else:
         why = f"max_num_seqs {cap} against {in_flight:,.1f} in flight and room for {room:,}"
-    return Lever(
-        step=7,
-        name="batching of short requests",
-        applies=applies,
-        why=why,
-        chapters=("08_continuous_batching/index", "04_bandwidth_bound/index"),
+    return STEPS[7].lever(
+        applies,
+        why,
         vllm=f"--max-num-seqs {min(room, math.ceil(in_flight))} (and --max-num-batched-tokens)",
         sglang=f"--max-running-requests {min(room, math.ceil(in_flight))} (and --chunked-prefill-size)",
         numbers={"room": room, "cap": cap},
@@ -491,16 +513,7 @@ def long_context(s: Situation) -> Lever:
         )
     else:
         why = f"the longest request takes {longest_share:.1%} of the pool"
-    return Lever(
-        step=8,
-        name="true long-context capacity",
-        applies=applies,
-        why=why,
-        chapters=("06_long_context/index", "12_beyond_hbm/index"),
-        vllm="--max-model-len to what you serve; KV offload beyond HBM (chapter 12)",
-        sglang="--context-length; --enable-hierarchical-cache beyond HBM",
-        numbers={"longest_share": longest_share, "longest": longest},
-    )
+    return STEPS[8].lever(applies, why, {"longest_share": longest_share, "longest": longest})
 
 
 def topology(s: Situation) -> Lever:
@@ -517,12 +530,9 @@ def topology(s: Situation) -> Lever:
         )
     else:
         why = f"fits at tp={d.settings.tp}, pp={d.settings.pp}"
-    return Lever(
-        step=9,
-        name="multi-GPU topology",
-        applies=not fits,
-        why=why,
-        chapters=("13_many_gpus/index",),
+    return STEPS[9].lever(
+        not fits,
+        why,
         vllm=f"--tensor-parallel-size {tp_fit or d.settings.tp} (--pipeline-parallel-size across nodes)",
         sglang=f"--tp-size {tp_fit or d.settings.tp} (--pp-size for stages, --dp-size for replicas)",
         numbers={"tp_fit": float(tp_fit or 0)},
@@ -550,15 +560,8 @@ def token_eviction(s: Situation) -> Lever:
         )
     else:
         why = "the cache does not bind: nothing to trade accuracy for"
-    return Lever(
-        step=10,
-        name="token eviction",
-        applies=applies,
-        why=why,
-        chapters=("16_fewer_tokens/index",),
-        vllm=EVICTION_VLLM,
-        sglang=EVICTION_SGLANG,
-        numbers={"fits": fits, "fits_kept": fits_kept, "keep_ratio": EVICTION_KEEP_RATIO},
+    return STEPS[10].lever(
+        applies, why, {"fits": fits, "fits_kept": fits_kept, "keep_ratio": EVICTION_KEEP_RATIO}
     )
 
 
