@@ -40,5 +40,4 @@ def test_cdiv_rounds_up_and_is_the_only_one():
     assert [cdiv(a, 4) for a in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
     src = pathlib.Path(__file__).resolve().parents[1] / "src" / "kvlab"
     inline = [str(f) for f in src.rglob("*.py") if "-(-" in f.read_text() and f.name != "units.py"]
-    # budget.py is another issue's file (issue 48 leaves it to that change)
-    assert [f for f in inline if not f.endswith("costs/budget.py")] == []
+    assert inline == []

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from kvlab.checks import check_count
 from kvlab.specs import hardware, vllm_defaults
 from kvlab.specs.shape import prepare, shape
+from kvlab.specs.sizing import sequence_slots
 from kvlab.units import GiB, MiB, cdiv, dtype_bytes, format_bytes, format_tokens
 
 if TYPE_CHECKING:
@@ -410,14 +411,9 @@ class MemoryBudget:
         return self.kv_bytes_per_token - self.draft_kv_bytes_per_token
 
     def slots_per_sequence(self, context_len: int) -> int:
-        """Token slots one sequence of `context_len` tokens holds: its tokens, plus under speculation the
-        `lookahead_slots` vLLM allocates ahead, never past `max_model_len` (`KVCacheManager.allocate_slots`)."""
-        slots = check_count("context_len", context_len)
-        if self.lookahead_slots:
-            slots += self.lookahead_slots
-            if self.max_model_len is not None:
-                slots = min(slots, max(context_len, self.max_model_len))
-        return slots
+        """Token slots one sequence of `context_len` tokens holds, the `lookahead_slots` of speculation included
+        (`kvlab.specs.sizing.sequence_slots`)."""
+        return sequence_slots(context_len, self.lookahead_slots, self.max_model_len)
 
     def blocks_per_sequence(self, context_len: int) -> int:
         """Blocks one sequence of `context_len` tokens holds (the last one partly empty), lookahead included."""

@@ -20,7 +20,7 @@ from kvlab.costs import budget
 from kvlab.planning.vllm_log import DEFAULT_BLOCK_SIZE, Printed, StartupLog
 from kvlab.specs import arch, hardware, vllm_defaults
 from kvlab.specs.shape import shape
-from kvlab.units import dtype_bytes, format_bytes
+from kvlab.units import cdiv, dtype_bytes, format_bytes
 
 # Fine-tuned checkpoints whose config.json has the same layers, heads and widths as a registry entry, so the
 # registry entry sizes them. Checked against the published files:
@@ -494,7 +494,7 @@ def _hybrid(log: StartupLog, sized: str, dtype: str | None, tp: int) -> list[str
     )
     seq = log.max_concurrency_tokens or log.max_seq_len
     if seq is not None:
-        per_request = attention_groups * math.ceil(seq / pages.block_size) + state_groups
+        per_request = attention_groups * cdiv(seq, pages.block_size) + state_groups
         lines.append(
             f"  concurrency: {blocks:,} blocks / {per_request:,} per request of {seq:,} tokens "
             f"({per_request - state_groups:,} attention blocks + {state_groups} state pages) = "

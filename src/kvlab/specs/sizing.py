@@ -466,17 +466,22 @@ def speculative_slots(num_speculative_tokens: int) -> int:
     return 2 * check_count("num_speculative_tokens", num_speculative_tokens, 0)
 
 
+def sequence_slots(context_len: int, lookahead_slots: int = 0, max_model_len: int | None = None) -> int:
+    """Token slots one sequence of `context_len` tokens holds: its tokens plus the `lookahead_slots` allocated
+    ahead of them, never past `max_model_len` (`KVCacheManager.allocate_slots`)."""
+    slots = check_count("context_len", context_len) + check_count("lookahead_slots", lookahead_slots, 0)
+    if max_model_len is not None:
+        slots = min(slots, max(context_len, check_count("max_model_len", max_model_len)))
+    return slots
+
+
 def speculative_blocks_per_sequence(
     context_len: int, num_speculative_tokens: int, block_size: int, max_model_len: int | None = None
 ) -> int:
     """Blocks one sequence of `context_len` tokens holds at its last step under speculation:
-    `ceil(min(context_len + 2K, max_model_len) / block_size)` (`KVCacheManager.allocate_slots`)."""
-    check_count("context_len", context_len)
-    check_count("block_size", block_size)
-    slots = context_len + speculative_slots(num_speculative_tokens)
-    if max_model_len is not None:
-        slots = min(slots, max(context_len, check_count("max_model_len", max_model_len)))
-    return cdiv(slots, block_size)
+    `ceil(min(context_len + 2K, max_model_len) / block_size)`."""
+    slots = sequence_slots(context_len, speculative_slots(num_speculative_tokens), max_model_len)
+    return cdiv(slots, check_count("block_size", block_size))
 
 
 def speculation(
