@@ -187,12 +187,17 @@ colab-nbval:
 ## make gpu: every lab at the GPU sizes of src/kvlab/book/gpu_params.yaml (the profile that fits the GPU's free
 ## memory, as each lab picks it: kvlab.book.profiles; papermill); executed notebooks and JSON of glued scalars
 ## with provenance under book/results/<gpu>/. No install step: run `make install` first, or
-## scripts/gpu_run.sh on a machine without a package index. GPU_LABS=01_cache_contents,... picks chapters.
+## scripts/gpu_run.sh on a machine without a package index. GPU_LABS=01_cache_contents,... picks chapters, in
+## that order; GPU_LAB_LIMIT=S gives every lab S wall seconds (0: none; default: kvlab.book.gpu.LAB_LIMIT_S's),
+## GPU_BUDGET=S the whole run (labs left when it is spent are reported as not started).
 GPU_PARAMS ?= src/kvlab/book/gpu_params.yaml
 GPU_LABS ?=
 GPU_OUT ?= book/results
+GPU_LAB_LIMIT ?=
+GPU_BUDGET ?=
 gpu:
-	$(PY) -m kvlab.book.gpu --root . --params $(GPU_PARAMS) --out $(GPU_OUT) --labs "$(GPU_LABS)"
+	$(PY) -m kvlab.book.gpu --root . --params $(GPU_PARAMS) --out $(GPU_OUT) --labs "$(GPU_LABS)" \
+	  --lab-limit "$(GPU_LAB_LIMIT)" --budget "$(GPU_BUDGET)"
 
 ## make gpu-wheels: the wheels scripts/gpu_run.sh installs offline (scripts/gpu_wheels.txt, --no-deps), for a
 ## GPU machine's Python GPU_PYTHON; fails above 60 MiB.

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,16 @@ def test_gpu_params_name_only_real_parameters_of_real_labs():
     labs = sorted(p.parent.name for p in (ROOT / "book").glob("*/lab.ipynb"))
     # every lab is listed (an empty mapping: its CPU defaults already fit a GPU), and every lab listed exists
     assert set(params) == set(labs), sorted(set(labs) ^ set(params))
+
+
+def test_a_run_without_labs_takes_every_lab_once_in_priority_order():
+    labs = sorted(p.parent.name for p in (ROOT / "book").glob("*/lab.ipynb"))
+    assert sorted(gpu.PRIORITY) == labs, sorted(set(labs) ^ set(gpu.PRIORITY))
+    assert set(gpu.LAB_LIMIT_S) <= set(labs)
+    # the groups split that order without a gap or an overlap
+    assert [chapter for group in gpu.GROUPS.values() for chapter in group] == gpu.PRIORITY
+    assert gpu.named_labs(" gpu-2, 01_cache_contents") == [*gpu.GROUPS["gpu-2"], "01_cache_contents"]
+    assert gpu.named_labs("") is None
 
 
 def test_bad_parameters_file_is_a_one_line_error(tmp_path):
@@ -302,3 +313,117 @@ def test_make_gpu_passes_each_lab_the_profile_it_would_pick():
     assert (
         load_params(gpu.PARAMS, book, stub=True, free_bytes=22 * GiB)["03_prefill_decode"]["hidden"] == 1024
     )
+
+
+def fake_lab(book, chapter, source):
+    """A one-cell lab under `book`, in the kernel every lab names."""
+    (book / chapter).mkdir(parents=True)
+    nb = {
+        "cells": [
+            {"cell_type": "code", "metadata": {}, "source": source, "outputs": [], "execution_count": None}
+        ],
+        "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+    (book / chapter / "lab.ipynb").write_text(json.dumps(nb))
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a killed child not yet reaped by its parent is a zombie: dead
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+
+
+# Two kernels started on CPU: several seconds on a loaded machine.
+@pytest.mark.slow
+def test_a_lab_past_its_limit_is_reported_and_the_next_lab_runs(tmp_path, monkeypatch, capsys):
+    """A lab that outruns its limit is stopped and reported as not finished in one line, with no record; the next
+    lab still runs and is recorded; the closing table gives each lab's seconds and limit; the exit status is 1."""
+    monkeypatch.setenv("KVLAB_GPU_STUB", "cpu")
+    book = tmp_path / "book"
+    pids = tmp_path / "pids"
+    fake_lab(
+        book,
+        "98_slow",
+        f"import os, subprocess, time\nchild = subprocess.Popen(['sleep', '300'])\n"
+        f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}')\ntime.sleep(300)\n",
+    )
+    fake_lab(book, "99_quick", "x = 1\n")
+    params = tmp_path / "params.yaml"
+    params.write_text("{}\n")
+    monkeypatch.setattr(gpu, "LAB_LIMIT_S", {"98_slow": 20.0})
+    out = tmp_path / "results"
+    argv = ["--root", str(tmp_path), "--params", str(params), "--out", str(out), "--labs", "98_slow,99_quick"]
+    assert gpu.main(argv) == 1
+    lines = capsys.readouterr().out.splitlines()
+    slow = [line for line in lines if line.startswith("98_slow: ")]
+    assert len(slow) == 1 and slow[0].startswith("98_slow: not finished in 2")
+    assert slow[0].endswith(": stopped at its limit of 20 s")
+    assert any(line.startswith("99_quick: ok in ") for line in lines)
+    assert lines[-2] == "1/2 labs ok; not finished: 98_slow"
+    assert lines[-1].startswith("to run them next: make gpu GPU_LABS=98_slow ")
+    table = lines[lines.index(next(line for line in lines if line.startswith("chapter "))) :]
+    assert table[1].split()[:2] == ["98_slow", "not"] and table[1].split()[-1] == "20"
+    assert (
+        table[2].split()[:2] == ["99_quick", "ok"]
+        and table[2].split()[-1] == f"{gpu.DEFAULT_LAB_LIMIT_S:.0f}"
+    )
+    folder = out / "cpu-stub"
+    assert not (folder / "98_slow.json").exists() and (folder / "98_slow.unfinished.ipynb").is_file()
+    record = json.loads((folder / "99_quick.json").read_text())
+    assert record["status"] == "ok" and record["limit_s"] == gpu.DEFAULT_LAB_LIMIT_S and record["seconds"] > 0
+    # the lab's kernel and the process it started were stopped with it
+    if pids.is_file():
+        assert not any(alive(int(pid)) for pid in pids.read_text().split())
+
+
+def test_a_spent_budget_leaves_the_remaining_labs_not_started(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KVLAB_GPU_STUB", "cpu")
+    fake_lab(tmp_path / "book", "99_quick", "x = 1\n")
+    params = tmp_path / "params.yaml"
+    params.write_text("{}\n")
+    # under a second left: no lab starts
+    argv = ["--root", str(tmp_path), "--params", str(params), "--out", str(tmp_path / "r"), "--budget", "0.5"]
+    assert gpu.main(argv) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert "99_quick: not started: the run's budget of 0.5 s was spent" in out
+    assert out[-2:] == [
+        "0/1 labs ok; not started: 99_quick",
+        "to run them next: make gpu GPU_LABS=99_quick (or scripts/gpu_run.sh 99_quick)",
+    ]
+    with pytest.raises(SweepError, match="a lab's time limit must be >= 0 seconds"):
+        gpu.lab_limit("99_quick", -1)
+    assert gpu.lab_limit("99_quick", 0) is None and gpu.lab_limit("99_quick", 5) == 5
+
+
+def test_stop_reaches_a_process_in_a_session_of_its_own():
+    """papermill's kernel runs in a new session, below the lab's child process: `stop` kills it too, and what it
+    started."""
+    code = (
+        "import subprocess, sys, time\n"
+        "k = subprocess.Popen([sys.executable, '-c', 'import subprocess, time; "
+        'subprocess.Popen(["sleep", "300"]); time.sleep(300)\'], start_new_session=True)\n'
+        "time.sleep(300)\n"
+    )
+    top = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        for _ in range(300):
+            below = gpu.descendants(top.pid)
+            if len(below) == 2:
+                break
+            time.sleep(0.1)
+        assert len(below) == 2, below
+        gpu.stop(top.pid)
+        top.wait(timeout=10)
+        for _ in range(100):
+            if not any(alive(pid) for pid in below):
+                break
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in below)
+    finally:
+        if top.poll() is None:
+            top.kill()

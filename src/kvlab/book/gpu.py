@@ -7,8 +7,13 @@ writes, per lab, into book/results/<gpu>/:
 
 - <chapter>.ipynb: the executed notebook;
 - <chapter>.json: its glued scalars (read by `kvlab.book.sweep.glued_scalars`, the one reader of glue), its
-  parameters, status and error, seconds, and the provenance: GPU name, driver, CUDA, torch, transformers, kvlab
-  version and commit, date (`kvlab.env.env_report`).
+  parameters, status and error, wall seconds and time limit, and the provenance: GPU name, driver, CUDA, torch,
+  transformers, kvlab version and commit, date (`kvlab.env.env_report`).
+
+Each lab runs in a child process under a wall-clock limit (`LAB_LIMIT_S`, `--lab-limit`), and the run under an
+optional budget (`--budget`): a lab past its limit is stopped, with every process it started, and reported as not
+finished in one line (its partial notebook kept as <chapter>.unfinished.ipynb, no record written); labs left when
+the budget is spent are reported as not started. The run ends with a table of each lab's status and seconds.
 
 `kvlab.book.report.gpu_results_table(chapter)` shows a chapter's recorded GPU values beside its CPU figures.
 
@@ -31,8 +36,10 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -42,8 +49,6 @@ from kvlab.book.sweep import (
     SweepError,
     _atomic_write,
     _jsonable,
-    _one_line,
-    _parameters_checked,
     _require,
     glued_scalars,
     notebook_parameters,
@@ -57,6 +62,63 @@ PARAMS = profiles.PARAMS_FILE
 # A lab's status when it cannot run on this machine (`not_run_reason`); not a failure.
 NOT_RUN = "not run"
 REAL_MODEL_CALL = re.compile(r"\breal_model\(")
+# A lab stopped at its time limit (`LAB_LIMIT_S`), and one the run's budget left no time for; neither is a failure
+# of the lab's claim, and neither writes a record.
+NOT_FINISHED = "not finished"
+NOT_STARTED = "not started"
+# Wall seconds each lab may run on a GPU before it is stopped, its kernel's start and imports included, so that one
+# slow lab cannot take the others' time; `--lab-limit` sets one limit for every lab (0: none). The GPU times are
+# unmeasured: each limit is about twice the lab's CPU dry-run time at its CPU sizes (docs/running.md, "Time on a
+# GPU"), more where the GPU sizes add work a GPU does not speed up (host transfers, processes, longer traces), and
+# at least DEFAULT_LAB_LIMIT_S. A lab not listed gets DEFAULT_LAB_LIMIT_S.
+DEFAULT_LAB_LIMIT_S = 60.0
+LAB_LIMIT_S: dict[str, float] = {
+    "01_cache_contents": 120,
+    "02_sizing": 150,
+    "03_prefill_decode": 150,
+    "04_bandwidth_bound": 150,
+    "05_active_tokens": 120,
+    "06_long_context": 120,
+    "07_paging": 90,
+    "08_continuous_batching": 150,
+    "09_prefix_caching": 180,
+    "10_weights_not_cache": 120,
+    "11_kv_quantization": 180,
+    "12_beyond_hbm": 150,
+    "13_many_gpus": 150,
+    "14_capacity_planning": 150,
+    "15_where_to_start": 90,
+    "16_fewer_tokens": 180,
+    "17_cluster": 150,
+    "appendix_cheat_sheet": 60,
+}
+# The order of a run without --labs, so that a budget spent early leaves the least wanted labs: first those whose
+# claims depend on the device (bandwidth, launches, host link, the GPU-sized engines), then those that load the
+# real model (not run without its wheel, at no cost), last those whose figures are the same on any device.
+# A lab not listed runs after these, in folder order.
+PRIORITY = [
+    "03_prefill_decode",
+    "04_bandwidth_bound",
+    "01_cache_contents",
+    "12_beyond_hbm",
+    "17_cluster",
+    "07_paging",
+    "05_active_tokens",
+    "06_long_context",
+    "02_sizing",
+    "13_many_gpus",
+    "10_weights_not_cache",
+    "08_continuous_batching",
+    "09_prefix_caching",
+    "11_kv_quantization",
+    "16_fewer_tokens",
+    "14_capacity_planning",
+    "15_where_to_start",
+    "appendix_cheat_sheet",
+]
+# PRIORITY in two parts, each meant for one GPU session's run (docs/running.md, "Time on a GPU"): `--labs gpu-1`
+# (or `scripts/gpu_run.sh gpu-1`) runs the first. The labs that load the real model cost nothing without its wheel.
+GROUPS = {"gpu-1": PRIORITY[:6], "gpu-2": PRIORITY[6:]}
 
 
 def stubbed() -> bool:
@@ -164,16 +226,20 @@ def probe() -> tuple[bool, dict[str, str]]:
     return bool(found["cuda"]), found["report"]
 
 
-def _probe_child() -> dict[str, Any]:
+def _child_env() -> dict[str, str]:
+    """This process's environment, with the kvlab it imported first on a child's PYTHONPATH."""
     import kvlab
 
     src = str(Path(kvlab.__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])))
+
+
+def _probe_child() -> dict[str, Any]:
     done = subprocess.run(
         [sys.executable, "-c", _PROBE, "cpu" if stubbed() else "gpu"],
         capture_output=True,
         text=True,
-        env=env,
+        env=_child_env(),
         timeout=600,
     )
     if done.returncode:
@@ -207,6 +273,100 @@ def not_run_reason(lab: Path) -> str | None:
     return None
 
 
+# Run in a child process per lab, so that a lab past its limit can be stopped with every process it started. It
+# imports papermill and kvlab.book.sweep only (torch and transformers, which this module's imports bring, take
+# seconds more per lab); a failure's one line goes to the file job["error_file"] names.
+_EXECUTE = """
+import json, sys
+from pathlib import Path
+import papermill
+from kvlab.book.sweep import _one_line, _parameters_checked
+job = json.loads(sys.argv[1])
+try:
+    # load_params checked every name against the lab's parameters cell: papermill's warnings would repeat it
+    with _parameters_checked():
+        papermill.execute_notebook(
+            job["lab"], job["executed"], parameters=job["parameters"], cwd=job["cwd"],
+            kernel_name=job["kernel"], progress_bar=False,
+        )
+except Exception as err:
+    Path(job["error_file"]).write_text(_one_line(err))
+    sys.exit(1)
+"""
+
+
+def execute(
+    lab: Path, executed: Path, values: dict[str, Any], *, kernel: str | None, limit_s: float | None
+) -> tuple[str, str]:
+    """(status, error in one line) of `lab` run into `executed` in a child process: "ok", "failed", or
+    NOT_FINISHED when it ran past `limit_s` wall seconds (None: no limit) and was stopped."""
+    with tempfile.TemporaryDirectory(prefix="kvlab-gpu-") as tmp:
+        error_file = Path(tmp) / "error"
+        job = {
+            "lab": str(lab),
+            "executed": str(executed),
+            "parameters": values,
+            "cwd": str(lab.parent),
+            "kernel": kernel,
+            "error_file": str(error_file),
+        }
+        # its own session, so that a stop reaches papermill's kernel and what the lab started, not this process
+        child = subprocess.Popen(
+            [sys.executable, "-c", _EXECUTE, json.dumps(job)], env=_child_env(), start_new_session=True
+        )
+        try:
+            code = child.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            stop(child.pid)
+            child.wait()
+            return NOT_FINISHED, f"stopped at its limit of {limit_s:g} s"
+        if code == 0:
+            return "ok", ""
+        if error_file.is_file():
+            return "failed", error_file.read_text()
+        return "failed", f"the lab's process ended with exit status {code}"
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid`, read from /proc (empty where there is none): the kernel papermill starts
+    runs in a session of its own, so a process group does not hold it."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        # the command name, in parentheses, may hold spaces and ')': the fields after the last ')' are fixed
+        parent = int(text.rpartition(")")[2].split()[1])
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def stop(pid: int) -> None:
+    """SIGKILL `pid` and every process below it, listed before any is killed (a killed parent's children move to
+    init and out of reach)."""
+    for each in [pid, *descendants(pid)]:
+        try:
+            os.kill(each, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def lab_limit(chapter: str, lab_limit_s: float | None = None) -> float | None:
+    """`chapter`'s wall-clock limit in seconds: `lab_limit_s` for every lab where given (0: none), else
+    LAB_LIMIT_S's, else DEFAULT_LAB_LIMIT_S."""
+    if lab_limit_s is not None:
+        if lab_limit_s < 0:
+            raise SweepError(f"a lab's time limit must be >= 0 seconds (0: none), got {lab_limit_s:g}")
+        return lab_limit_s or None
+    return LAB_LIMIT_S.get(chapter, DEFAULT_LAB_LIMIT_S)
+
+
 def run_labs(
     params_file: Path,
     out: Path,
@@ -214,16 +374,25 @@ def run_labs(
     root: Path,
     chapters: list[str] | None = None,
     kernel: str | None = None,
+    lab_limit_s: float | None = None,
+    budget_s: float | None = None,
 ) -> list[dict[str, Any]]:
-    """Run each chosen lab at its parameters; returns the per-lab records (also written as JSON)."""
-    papermill = _require("papermill")
+    """Run each chosen lab, in the order given, at its parameters; returns the per-lab records (also written as
+    JSON). Each lab runs under `lab_limit`; with `budget_s`, the run's wall seconds from this call, a lab's limit is
+    cut to what the budget has left, and labs left when it is spent are reported as not started."""
+    started = time.perf_counter()
+    _require("papermill")
+    if budget_s is not None and budget_s <= 0:
+        raise SweepError(f"the run's budget must be > 0 seconds, got {budget_s:g}")
     book = root / "book"
     load_params(params_file, book)  # a bad file fails before the device is probed
     labs = sorted(p.parent.name for p in book.glob("*/lab.ipynb"))
-    chosen = chapters or labs  # a lab the file does not list runs at its defaults
+    # a lab the file does not list runs at its defaults
+    chosen = chapters or sorted(labs, key=lambda lab: (PRIORITY + labs).index(lab))
     unknown = [c for c in chosen if c not in labs]
     if unknown:
         raise SweepError(f"no lab for chapter(s) {', '.join(unknown)}; the labs are: {', '.join(labs)}")
+    limits = {chapter: lab_limit(chapter, lab_limit_s) for chapter in chosen}
     if stubbed():
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the kernels papermill starts inherit it
     found = _probe_child()
@@ -238,41 +407,75 @@ def run_labs(
     records = []
     for chapter in chosen:
         lab = book / chapter / "lab.ipynb"
-        executed = folder / f"{chapter}.ipynb"
         values = params.get(chapter, {})
+        limit = limits[chapter]
         record: dict[str, Any] = {"chapter": chapter, "parameters": values, "provenance": prov}
+        left = None if budget_s is None else budget_s - (time.perf_counter() - started)
         reason = not_run_reason(lab)
+        if reason is None and left is not None and left < 1:
+            status, reason = NOT_STARTED, f"the run's budget of {budget_s:g} s was spent"
+        else:
+            status = NOT_RUN
         if reason is not None:
             # No measurement, so no record under the GPU's folder: the log says why.
-            print(f"{chapter}: {NOT_RUN}: {reason}", flush=True)
+            print(f"{chapter}: {status}: {reason}", flush=True)
             records.append(
-                _jsonable(record | {"status": NOT_RUN, "error": reason, "values": {}, "seconds": 0.0})
+                _jsonable(record | {"status": status, "error": reason, "values": {}, "seconds": 0.0})
             )
             continue
+        if left is not None and (limit is None or left < limit):
+            limit = left
+        # into a scratch name: an unfinished run leaves a recorded lab's notebook as it was
+        running = folder / f".{chapter}.running.ipynb"
         start = time.perf_counter()
-        try:
-            # load_params checked every name against the lab's parameters cell: papermill's warnings would repeat it
-            with _parameters_checked():
-                papermill.execute_notebook(
-                    str(lab),
-                    str(executed),
-                    parameters=values,
-                    cwd=str(lab.parent),
-                    kernel_name=kernel,
-                    progress_bar=False,
-                )
-        except Exception as err:
-            record |= {"status": "failed", "error": _one_line(err), "values": {}}
-        else:
-            record |= {"status": "ok", "error": "", "values": glued_scalars(executed)}
-        record["seconds"] = round(time.perf_counter() - start, 1)
+        status, error = execute(lab, running, values, kernel=kernel, limit_s=limit)
+        seconds = round(time.perf_counter() - start, 1)
+        record |= {"status": status, "error": error, "seconds": seconds, "limit_s": limit}
+        if status == NOT_FINISHED:
+            if left is not None and limit == left:
+                record["error"] = f"stopped when the run's budget of {budget_s:g} s was spent"
+            if running.is_file():
+                running.replace(folder / f"{chapter}.unfinished.ipynb")
+            print(f"{chapter}: {NOT_FINISHED} in {seconds} s: {record['error']}", flush=True)
+            records.append(_jsonable(record | {"values": {}}))
+            continue
+        executed = folder / f"{chapter}.ipynb"
+        if running.is_file():
+            running.replace(executed)
+        record["values"] = glued_scalars(executed) if status == "ok" else {}
         record = _jsonable(record)
         _atomic_write(folder / f"{chapter}.json", json.dumps(record, indent=1) + "\n")
-        print(
-            f"{chapter}: {record['status']} in {record['seconds']} s {record['error']}".rstrip(), flush=True
-        )
+        print(f"{chapter}: {status} in {seconds} s {error}".rstrip(), flush=True)
         records.append(record)
     return records
+
+
+def timing_table(records: list[dict[str, Any]]) -> str:
+    """Each lab's status, wall seconds and limit, one line each, and the total: what `main` prints last."""
+    width = max([len("chapter"), *(len(r["chapter"]) for r in records)])
+    lines = [f"{'chapter':<{width}}  {'status':<12}  {'seconds':>7}  {'limit s':>7}"]
+    for r in records:
+        limit = r.get("limit_s")
+        shown = "-" if limit is None else f"{limit:.0f}"
+        lines.append(f"{r['chapter']:<{width}}  {r['status']:<12}  {r['seconds']:>7.1f}  {shown:>7}")
+    lines.append(f"{'total':<{width}}  {'':<12}  {sum(r['seconds'] for r in records):>7.1f}")
+    return "\n".join(lines)
+
+
+def named_labs(text: str) -> list[str] | None:
+    """The chapters a comma-separated `--labs` names, a group of GROUPS standing for its chapters; None for all."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    return [chapter for name in names for chapter in GROUPS.get(name, [name])] or None
+
+
+def _seconds(text: str) -> float | None:
+    """An optional number of seconds from the command line ('' from an unset make variable: none)."""
+    if not text.strip():
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,9 +486,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", type=Path, default=None, help=f"default: {PARAMS} (in the package)")
     parser.add_argument("--out", type=Path, default=None, help=f"default: ROOT/{RESULTS}")
     parser.add_argument(
-        "--labs", default="", help="comma-separated chapter folders (default: all in --params)"
+        "--labs",
+        default="",
+        help="comma-separated chapter folders or groups (gpu-1, gpu-2), run in that order (default: every lab, in "
+        "PRIORITY's order)",
     )
     parser.add_argument("--kernel", default=None)
+    parser.add_argument(
+        "--lab-limit",
+        type=_seconds,
+        default=None,
+        help="wall seconds every lab may take (0: none; default: LAB_LIMIT_S's per lab)",
+    )
+    parser.add_argument(
+        "--budget", type=_seconds, default=None, help="wall seconds for the whole run (default: none)"
+    )
     args = parser.parse_args(argv)
     root = args.root.resolve()
     try:
@@ -293,21 +508,30 @@ def main(argv: list[str] | None = None) -> int:
             args.params or PARAMS,
             args.out or root / RESULTS,
             root=root,
-            chapters=[c.strip() for c in args.labs.split(",") if c.strip()] or None,
+            chapters=named_labs(args.labs),
             kernel=args.kernel,
+            lab_limit_s=args.lab_limit,
+            budget_s=args.budget,
         )
     except SweepError as err:
         print(f"kvlab.book.gpu: {err}", file=sys.stderr)
         return 2
-    failed = [r["chapter"] for r in records if r["status"] not in ("ok", NOT_RUN)]
-    skipped = [r["chapter"] for r in records if r["status"] == NOT_RUN]
-    ok = len(records) - len(failed) - len(skipped)
-    print(
-        f"{ok}/{len(records)} labs ok"
-        + (f"; {NOT_RUN}: {', '.join(skipped)}" if skipped else "")
-        + (f"; failed: {', '.join(failed)}" if failed else "")
-    )
-    return 1 if failed else 0
+    print(timing_table(records))
+    ok = sum(r["status"] == "ok" for r in records)
+    parts = [f"{ok}/{len(records)} labs ok"]
+    for status in (NOT_RUN, NOT_FINISHED, NOT_STARTED, "failed"):
+        named = [r["chapter"] for r in records if r["status"] == status]
+        if named:
+            parts.append(f"{status}: {', '.join(named)}")
+    print("; ".join(parts))
+    rest = [r["chapter"] for r in records if r["status"] in (NOT_FINISHED, NOT_STARTED)]
+    if rest:
+        print(
+            f"to run them next: make gpu GPU_LABS={','.join(rest)} (or scripts/gpu_run.sh {','.join(rest)})"
+        )
+    # a lab stopped or never started leaves the results incomplete, as a failed one does; a lab without its
+    # wheel cannot run on this machine at all
+    return 1 if any(r["status"] in ("failed", NOT_FINISHED, NOT_STARTED) for r in records) else 0
 
 
 if __name__ == "__main__":
