@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from kvlab import calculator, cli
-from kvlab.costs import budget
+from kvlab.costs import budget, sglang
 from kvlab.specs import arch, images, shape, vllm_serve
 from kvlab.units import format_bytes
 
@@ -57,6 +57,42 @@ def test_every_public_property_of_the_budget_is_in_the_json(capsys):
 )
 def test_a_refusal_is_one_json_line_and_exit_2(capsys, argv, message):
     code, out = size_json(capsys, *argv)
+    assert code == 2 and list(out) == ["error"] and message in out["error"] and "\n" not in out["error"]
+
+
+def test_the_sglang_json_holds_the_pool_the_text_prints(capsys):
+    argv = ["meta-llama/Llama-3.1-8B", "--context", "32k", "--batch", "16", "--gpu", "H100-SXM", "--tp", "2"]
+    code, out = size_json(capsys, *argv, "--engine", "sglang")
+    assert code == 0 and out["settings"]["engine"] == "sglang" and out["vllm_serve"] is None
+    pool = sglang.sglang_pool("meta-llama/Llama-3.1-8B", "H100-SXM", tp=2)
+    assert out["budget"]["kv_pool_bytes"] == pool.kv_pool_bytes
+    assert out["budget"]["max_total_num_tokens"] == pool.max_total_num_tokens
+    assert out["budget"]["mem_fraction_static"] == pool.mem_fraction_static
+    assert out["sequences_fit"] == pool.max_sequences(32768) and out["batch_fits"] is True
+    terms = out["budget"]["terms"]
+    assert sum(t["bytes"] for t in terms) == pool.capacity_bytes and terms[-1]["name"] == "KV pool"
+    # the same figures as the text the command prints without --json
+    assert cli.main(["size", *argv, "--engine", "sglang"]) == 0
+    text = capsys.readouterr().out
+    assert out["report"] == text.rstrip("\n") and f"room for {out['sequences_fit']})" in text
+    assert f"{pool.max_total_num_tokens:,}" in text and out["texts"]["kv_pool_bytes"] in text
+
+
+def test_an_sglang_pool_the_weights_fill_has_no_terms(capsys):
+    code, out = size_json(capsys, "meta-llama/Llama-3.1-70B", "--gpu", "H100-SXM", "--engine", "sglang")
+    assert code == 0 and out["budget"]["fits"] is False and out["budget"]["terms"] is None
+    assert out["sequences_fit"] == 0 and out["budget"]["min_mem_fraction_static"] > 0.83
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["meta-llama/Llama-3.1-8B"], "--engine sglang sizes SGLang's pool on a GPU: give --gpu"),
+        (["google/gemma-3-27b-it", "--gpu", "H200"], "separate full and SWA pools"),
+    ],
+)
+def test_sglang_refusals_are_one_json_line(capsys, argv, message):
+    code, out = size_json(capsys, *argv, "--engine", "sglang")
     assert code == 2 and list(out) == ["error"] and message in out["error"] and "\n" not in out["error"]
 
 

@@ -366,7 +366,7 @@ def size_report(
             batch_fits=None,
         )
     if gpu is not None and engine == "sglang":
-        lines += _sglang_lines(config, gpu, s, context, batch, mem_fraction_static)
+        lines += _sglang_lines(config, gpu, s, context, batch, mem_fraction_static, facts)
     elif gpu is not None:
         plan = s.memory_budget(config, gpu)
         if image_cost is not None:
@@ -382,10 +382,9 @@ def size_report(
     return "\n".join(lines)
 
 
-def _budget_facts(plan: budget.MemoryBudget) -> dict[str, Any]:
-    """Every field and public property of a `MemoryBudget` (a nested budget, such as its floor, likewise), and
-    its terms from the capacity down to the pool (`MemoryBudget.stack`; None when they exceed the capacity), for
-    `kvlab size --json`."""
+def _public_facts(plan: Any) -> dict[str, Any]:
+    """Every field and public property of a budget dataclass (a nested `MemoryBudget`, such as a budget's
+    floor, likewise), for `kvlab size --json`."""
     cls = type(plan)
     names = [f.name for f in dataclasses.fields(plan)]
     names += [n for n in dir(cls) if not n.startswith("_") and isinstance(getattr(cls, n), property)]
@@ -393,17 +392,40 @@ def _budget_facts(plan: budget.MemoryBudget) -> dict[str, Any]:
     for name in names:
         value = getattr(plan, name)
         out[name] = _budget_facts(value) if isinstance(value, budget.MemoryBudget) else value
+    return out
+
+
+def _terms(stack: list[tuple[str, int, str]]) -> list[dict[str, Any]]:
+    return [{"name": n, "bytes": v, "text": format_bytes(v), "note": note} for n, v, note in stack]
+
+
+def _budget_facts(plan: budget.MemoryBudget) -> dict[str, Any]:
+    """`_public_facts` of a `MemoryBudget`, and its terms from the capacity down to the pool
+    (`MemoryBudget.stack`; None when they exceed the capacity), for `kvlab size --json`."""
+    out = _public_facts(plan)
     out["max_tokens"] = plan.max_tokens()
     stack = [
         *plan.stack(),
         ("block rounding", plan.rounding_bytes, f"whole blocks of {plan.block_size} tokens"),
         ("KV pool", plan.kv_pool_bytes, f"{plan.num_blocks:,} blocks of {plan.block_size} tokens"),
     ]
-    out["terms"] = (
-        None
-        if plan.kv_headroom_bytes < 0
-        else [{"name": n, "bytes": v, "text": format_bytes(v), "note": note} for n, v, note in stack]
-    )
+    out["terms"] = None if plan.kv_headroom_bytes < 0 else _terms(stack)
+    return out
+
+
+def _sglang_facts(pool: Any) -> dict[str, Any]:
+    """`_public_facts` of SGLang's pool (`kvlab.costs.sglang.SGLangPool`) and its terms from the capacity down
+    to the pool (None when the weights leave it no room), for `kvlab size --engine sglang --json`."""
+    out = _public_facts(pool)
+    out["engine"] = "sglang"
+    out["min_mem_fraction_static"] = pool.min_mem_fraction_static()
+    rounding = pool.rest_bytes - pool.kv_pool_bytes
+    stack = [
+        *pool.stack(),
+        ("token rounding", rounding, "what is left below one token's cell"),
+        ("KV pool", pool.kv_pool_bytes, f"max_total_num_tokens = {pool.max_total_num_tokens:,}"),
+    ]
+    out["terms"] = _terms(stack) if pool.fits else None
     return out
 
 
@@ -412,8 +434,7 @@ def size_json(args: argparse.Namespace) -> dict[str, Any]:
     sized at, its text, and the `vllm serve` command that reproduces the setting (`kvlab.specs.vllm_serve`)."""
     from kvlab.specs import vllm_serve
 
-    if args.engine == "sglang":
-        raise ValueError("--json prints vLLM's budget: drop --engine sglang")
+    _check_engine(args)
     facts: dict[str, Any] = {}
     settings = _settings(args)
     eviction = _eviction(args)
@@ -424,10 +445,33 @@ def size_json(args: argparse.Namespace) -> dict[str, Any]:
         settings,
         args.gpu,
         args.tp is not None or args.pp is not None,
+        args.engine,
+        args.mem_fraction_static,
         images=_image_request(args),
         eviction=eviction,
         facts=facts,
     )
+    settings_facts = {
+        "context": args.context,
+        "batch": args.batch,
+        "gpu": args.gpu,
+        "images": args.images,
+        "image_size": args.image_size if args.images is not None else None,
+        "keep_ratio": args.keep_ratio,
+        "window": args.window,
+        "sinks": args.sinks,
+        "engine": args.engine,
+        **dataclasses.asdict(settings),
+    }
+    texts = {
+        name: format_bytes(value)
+        for name, value in [*facts.items(), *(facts["budget"] or {}).items()]
+        if "bytes" in name and isinstance(value, int) and not isinstance(value, bool)
+    }
+    if args.engine == "sglang":
+        settings_facts["mem_fraction_static"] = args.mem_fraction_static
+        # SGLang's pool has no `vllm serve` command; kvlab writes no `sglang serve` one.
+        return {"settings": settings_facts, **facts, "texts": texts, "vllm_serve": None, "report": report}
     tokens, seqs = (
         settings.batch_limits(args.gpu, shape.prepare(args.model))
         if args.gpu is not None
@@ -457,27 +501,21 @@ def size_json(args: argparse.Namespace) -> dict[str, Any]:
         evicts=eviction is not None,
     )
     return {
-        "settings": {
-            "context": args.context,
-            "batch": args.batch,
-            "gpu": args.gpu,
-            "images": args.images,
-            "image_size": args.image_size if args.images is not None else None,
-            "keep_ratio": args.keep_ratio,
-            "window": args.window,
-            "sinks": args.sinks,
-            **dataclasses.asdict(settings),
-        },
+        "settings": settings_facts,
         **facts,
         # each byte count above as the report writes it (kvlab.units.format_bytes), for a page to show
-        "texts": {
-            name: format_bytes(value)
-            for name, value in [*facts.items(), *(facts["budget"] or {}).items()]
-            if "bytes" in name and isinstance(value, int) and not isinstance(value, bool)
-        },
+        "texts": texts,
         "vllm_serve": serve.as_dict(),
         "report": report,
     }
+
+
+def _check_engine(args: argparse.Namespace) -> None:
+    """`kvlab size --engine sglang`'s own refusals (its text and its --json alike)."""
+    if args.engine == "sglang" and args.gpu is None:
+        raise ValueError("--engine sglang sizes SGLang's pool on a GPU: give --gpu")
+    if args.engine == "sglang" and _speculation(args) is not None:
+        raise ValueError("--speculative sizes vLLM's budget only: drop --engine sglang")
 
 
 @dataclass(frozen=True)
@@ -601,8 +639,10 @@ def _sglang_lines(
     context: int,
     batch: int,
     mem_fraction_static: float | None,
+    facts: dict[str, Any] | None = None,
 ) -> list[str]:
-    """SGLang's pool on `gpu` at the settings' dtypes and parallel sizes (`kvlab.costs.sglang`)."""
+    """SGLang's pool on `gpu` at the settings' dtypes and parallel sizes (`kvlab.costs.sglang`); with `facts`,
+    its figures by name too (`size_report`)."""
     from kvlab.costs import sglang
 
     pool = sglang.sglang_pool(
@@ -616,6 +656,8 @@ def _sglang_lines(
     )
     seqs = pool.max_sequences(context) if pool.fits else 0
     verdict = "fits" if seqs >= batch else "does NOT fit"
+    if facts is not None:
+        facts.update(budget=_sglang_facts(pool), sequences_fit=seqs, batch_fits=seqs >= batch)
     return [
         f"on {hardware.get(gpu).name}: SGLang {sglang.SGLANG_VERSION}'s pool",
         *pool.lines(context),
@@ -886,10 +928,7 @@ def main(argv: list[str] | None = None) -> int:
             print(plan_report(args))
         else:
             per_gpu = args.tp is not None or args.pp is not None
-            if args.engine == "sglang" and args.gpu is None:
-                raise ValueError("--engine sglang sizes SGLang's pool on a GPU: give --gpu")
-            if args.engine == "sglang" and _speculation(args) is not None:
-                raise ValueError("--speculative sizes vLLM's budget only: drop --engine sglang")
+            _check_engine(args)
             print(
                 size_report(
                     args.model,

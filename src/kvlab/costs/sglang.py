@@ -180,6 +180,20 @@ class SGLangPool:
         SGLang's "Raise --mem-fraction-static above" error computes it."""
         return 1 - (self.pre_load_free_bytes - self.weight_bytes) / self.pre_load_free_bytes
 
+    def stack(self) -> list[tuple[str, int, str]]:
+        """The terms from the capacity down, as (name, bytes, where the figure comes from); with the token
+        rounding and the pool (`kvlab size --engine sglang --json`) they sum to the capacity."""
+        return [
+            ("CUDA context/runtime", self.runtime_bytes, self.runtime_source),
+            (
+                "headroom",
+                self.headroom_bytes,
+                f"1 - mem_fraction_static ({self.mem_fraction_static:g}, {self.fraction_source}): "
+                "activations, CUDA graphs",
+            ),
+            ("weights", self.weight_bytes, "parameters × bytes"),
+        ]
+
     def max_sequences(self, context_len: int) -> int:
         """Sequences of `context_len` tokens the pool holds at once (one-token pages: no block rounding)."""
         return self.max_total_num_tokens // check_count("context_len", context_len)
