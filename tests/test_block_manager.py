@@ -67,7 +67,7 @@ def apply_ops(bm: BlockManager, ops, computed_before_grow) -> Iterator[dict[int,
         elif kind == "grow" and seq is not None:
             seq.num_computed_tokens = min(computed_before_grow(seq, n), seq.num_tokens)
             seq.token_ids.extend([3] * n)
-            if not bm.allocate_slots(seq, seq.num_uncomputed_tokens):
+            if not bm.allocate_slots(seq, seq.num_tokens - seq.num_computed_tokens):
                 bm.free(seq)
                 del slots[slot]
         elif kind == "free" and seq is not None:
@@ -229,7 +229,10 @@ def test_free_queue_order_matches_vllm():
     """vLLM 0.33.0 `BlockPool.free_blocks`: freed blocks without a hash go to the front (reused first), cached ones to
     the back in the order freed; a request's blocks are freed tail first. Expected orders derived by hand."""
     bm = BlockManager(num_blocks=6, block_size=2, enable_prefix_caching=True)
-    free = bm.block_pool.free_order
+
+    def free():
+        return list(bm.block_pool.free_block_queue)
+
     a = Request([1, 2, 3, 4, 5])  # blocks 0, 1 full (cached), block 2 partial
     assert admit(bm, a, 5) == 5 and table(bm, a) == [0, 1, 2] and free() == [3, 4, 5]
     bm.free(a)  # freed 2, 1, 0: the partial 2 to the front; cached 1 then 0 to the back
@@ -247,7 +250,7 @@ def test_free_queue_order_matches_vllm():
     d = Request([1, 2, 3, 4, 5])
     admit(plain, d, 5)
     plain.free(d)
-    assert plain.block_pool.free_order() == [2, 1, 0, 3]
+    assert list(plain.block_pool.free_block_queue) == [2, 1, 0, 3]
 
 
 def test_cache_salt_changes_every_block_hash():

@@ -38,7 +38,10 @@ def test_a_block_aligned_prompt_sent_again_caches_a_duplicate_that_outlives_the_
     computed for its logits: `get_computed_blocks` caps the hit at num_tokens - 1). vLLM caches the recomputed
     block beside the first copy under the same hash; both go to the back of the free queue when freed."""
     bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=True)
-    free = bm.block_pool.free_order
+
+    def free():
+        return list(bm.block_pool.free_block_queue)
+
     prompt = list(range(1, 9))  # two full blocks
     a = Request(prompt)
     assert compute_whole_prompt(bm, a) == 8 and table(bm, a) == [0, 1]

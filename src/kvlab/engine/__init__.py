@@ -19,6 +19,7 @@ Requests flow `LLMEngine.step` -> `Scheduler.schedule` (with `BlockManager`) -> 
     single_type_kv_cache_manager          core/single_type_kv_cache_manager.py           -
       FullAttentionManager                  FullAttentionManager                           -
       SlidingWindowManager                  SlidingWindowManager                           -
+      (none: no state layers served)        MambaManager                                   -
     block_pool.BlockPool                  core/block_pool.py BlockPool                   (in BlockManager)
     block_pool.hash_block_tokens          core/kv_cache_utils.py hash_block_tokens       compute_hash
     kv_pool.KVPool                        worker/gpu_model_runner.py kv_caches           model_runner.py kv_cache
@@ -27,6 +28,9 @@ Requests flow `LLMEngine.step` -> `Scheduler.schedule` (with `BlockManager`) -> 
     model_runner.ModelRunner              worker/gpu_model_runner.py GPUModelRunner      engine/model_runner.py
     cost_runner.CostRunner                -                                              -
 
+State layers (Mamba, linear attention) have no manager because nothing here allocates for them: the model
+runner refuses a model that has them (`KVShape.from_config`), and the cost runner holds one full-attention group.
+kvlab sizes their state (`kvlab.specs.sizing`, `kvlab.costs.hybrid_pages`) but does not serve it.
 Also `clock` (wall, CPU-time or virtual time) and `metrics` (serving metrics under vLLM's benchmark names).
 `from kvlab.engine import LLMEngine` loads torch only on first use, so that `kvlab --help` stays fast.
 Chapters 5-9 and 14.

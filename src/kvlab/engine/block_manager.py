@@ -152,13 +152,6 @@ class BlockManager:
         """The longest request the pool can hold alone (full-attention groups keep every token)."""
         return self.num_blocks * self.block_size // self.num_groups
 
-    def num_used_blocks_by_group(self) -> list[int]:
-        """Blocks in use, per KV-cache group (a block shared by requests counted once)."""
-        return [
-            len({b for table in m.req_to_blocks.values() for b in table if b != NULL_BLOCK})
-            for m in self.managers
-        ]
-
     def max_concurrency(self, context_len: int, max_num_batched_tokens: int) -> float:
         """How many requests of `context_len` tokens the pool holds at once (vLLM's startup figure)."""
         return self.num_blocks / blocks_per_request(

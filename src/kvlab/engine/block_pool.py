@@ -6,7 +6,7 @@ block, the key it is cached under, and for each key every block that holds it, f
 whose last user leaves keeps its key and waits on the free queue; a later request with the same prefix takes it
 back, and only when a fresh block is needed is the front of the queue evicted, and counted.
 
-This is vLLM v1's `BlockPool` (vllm/v1/core/block_pool.py) on plain integers instead of block objects.
+This is vLLM v1's `BlockPool` on plain integers instead of block objects.
 Chapters 7 and 9.
 """
 
@@ -67,15 +67,6 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         """Blocks holding a cached key, in use or free but not yet evicted (duplicates counted)."""
         return sum(len(blocks) for blocks in self.cached_block_hash_to_block.values())
-
-    def free_order(self) -> list[int]:
-        """Free blocks in the order they will be handed out."""
-        return list(self.free_block_queue)
-
-    def get_cached_block(self, key: BlockKey) -> int | None:
-        """The first block cached under `key`, or None."""
-        blocks = self.cached_block_hash_to_block.get(key)
-        return next(iter(blocks)) if blocks else None
 
     def get_new_blocks(self, num_blocks: int) -> list[int]:
         """Blocks from the front of the free queue, each with reference count 1; their cached keys are evicted."""

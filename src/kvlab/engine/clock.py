@@ -2,14 +2,12 @@
 deterministically and fast.
 
 `WallClock` reads `time.perf_counter` and sleeps until the next arrival. `WallClock(cpu=True)` reads the process's
-CPU time (`time.process_time`) and jumps over a wait instead of sleeping: the engine's own work is measured, the
-time slices other processes take on a shared machine and a sleep's oversleep are not (what
-`kvlab.planning.simulate.record_engine_steps` calibrates on). The virtual clock charges each step a modelled duration
-instead of measuring it, so the same seed gives the same timeline on any machine, and waiting for the next
-arrival costs nothing. Its default cost model is a toy with the right shape for a decoder on a GPU: a fixed
-per-step cost (weights read once per step), plus a cost per scheduled token (compute) and per context token read
-(KV cache traffic); set the constants for another regime, or run the engine on a runner that models the step
-itself (`kvlab.engine.cost_runner.CostRunner`, the simulator's), whose `seconds` the clock then charges.
+CPU time (`time.process_time`) and jumps over a wait, so the engine's own work is measured and the time slices
+other processes take are not (what `kvlab.planning.simulate.record_engine_steps` calibrates on). `VirtualClock`
+charges each step a modelled duration, so the same seed gives the same timeline on any machine. Its default cost
+is a toy with a decoder's shape: a fixed cost per step, plus one per scheduled token and one per context token
+read. A runner that models the step itself (`kvlab.engine.cost_runner.CostRunner`) gives the seconds instead.
+Chapters 8 and 14.
 """
 
 from __future__ import annotations

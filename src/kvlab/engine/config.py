@@ -108,9 +108,7 @@ class EngineConfig:
         return [(f.name, repr(getattr(self, f.name)), VLLM_DEFAULTS[f.name]) for f in fields(self)]
 
 
-# vLLM 0.33.0's defaults, read from its source: vllm/config/cache.py (block_size, enable_prefix_caching,
-# gpu_memory_utilization), vllm/config/scheduler.py (enable_chunked_prefill, scheduler_reserve_full_isl,
-# policy), vllm/engine/arg_utils.py (per-GPU max_num_seqs / max_num_batched_tokens).
+# vLLM's default for each knob, from the one table of them (`kvlab.specs.vllm_defaults`, which cites each file)
 VLLM_DEFAULTS: dict[str, str] = {
     "block_size": vllm_defaults.describe("block_size"),
     "num_blocks": (

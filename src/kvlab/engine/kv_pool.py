@@ -35,8 +35,7 @@ def kv_cache_groups(config: PretrainedConfig) -> list[KVCacheGroup]:
     One group when every layer has the same attention kind (Llama: all full; Mistral: all one window). A hybrid
     model (Gemma 3: five sliding layers to one full) is cut into groups of the smallest kind's layer count, so
     that every group's block spans the same number of layers and all groups draw on one pool of equal blocks
-    (vLLM 0.33.0, `vllm/v1/core/kv_cache_planning.py`, `_get_kv_cache_groups_uniform_page_size`). Full groups
-    come first, then sliding groups by window.
+    (vLLM's uniform page size). Full groups come first, then sliding groups by window.
     """
     by_kind: dict[int | None, list[int]] = {}
     for i, layer in enumerate(describe(config).layers):
@@ -65,9 +64,11 @@ class KVShape:
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> KVShape:
         spec = describe(config)
-        if any(layer.kind not in ("full", "sliding") for layer in spec.layers):
+        other = sorted({layer.kind for layer in spec.layers} - {"full", "sliding"})
+        if other:
             raise ValueError(
-                f"{spec.model_type}: the paged cache supports per-head K/V layers only (not MLA)"
+                f"{spec.model_type}: the paged cache holds full and sliding-window attention layers only, "
+                f"not {' or '.join('MLA' if kind == 'mla' else kind for kind in other)} layers"
             )
         shapes = {(layer.kv_heads, layer.head_dim, layer.v_head_dim) for layer in spec.layers}  # type: ignore[attr-defined]
         if len(shapes) != 1 or next(iter(shapes))[1] != next(iter(shapes))[2]:

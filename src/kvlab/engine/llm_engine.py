@@ -108,7 +108,7 @@ class LLMEngine:
         logger.info("effective configuration beside vLLM v1's defaults:\n%s", self.config_table())
 
     def config_table(self) -> str:
-        """This engine's knobs beside vLLM 0.33.0's defaults, as printable text (logged at startup)."""
+        """This engine's knobs beside vLLM's defaults, as printable text (logged at startup)."""
         rows = [("knob", "kvlab", "vLLM v1 default"), *self.config.table()]
         width = [max(len(r[i]) for r in rows) for i in range(2)]
         return "\n".join(f"  {a:<{width[0]}}  {b:<{width[1]}}  {c}" for a, b, c in rows)

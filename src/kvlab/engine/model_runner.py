@@ -46,8 +46,7 @@ def cuda_capacity(device: torch.device) -> tuple[int, float, int]:
 
     Refuses, in one line naming `num_blocks` and `memory_budget_bytes`, when other processes hold so much of the
     device that this share no longer fits in what they leave: the memory free now plus what PyTorch already
-    holds here (the weights, the profiled forward). vLLM refuses the same way at startup (vLLM 0.33.0
-    `vllm/v1/worker/gpu_worker.py` `init_device`: free memory below gpu_memory_utilization × total)."""
+    holds here (the weights, the profiled forward). vLLM refuses the same way at startup (docs/vllm-fidelity.md)."""
     # Measured first: it synchronises and initialises CUDA, so the readings below are of settled memory.
     runtime = cuda_context_bytes(device)
     free, total = torch.cuda.mem_get_info(device)

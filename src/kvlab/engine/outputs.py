@@ -68,7 +68,7 @@ class ScheduledBatch:
         ]
 
 
-# vLLM v1's name for the same thing (vllm/v1/core/sched/output.py)
+# vLLM v1's name for the same thing
 SchedulerOutput = ScheduledBatch
 
 

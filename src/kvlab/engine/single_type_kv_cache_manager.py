@@ -3,14 +3,13 @@
 Every request holds one block table per KV-cache group, and each group's manager keeps them, keyed by request
 id, with how many leading full blocks it has offered to the prefix cache. All managers draw on one `BlockPool`.
 What differs between attention kinds is which earlier blocks a query still reads, and so:
-
 - which cached prefix a group can serve (`find_longest_cache_hit`);
 - which blocks it frees as a request grows (`get_num_skipped_blocks`, `remove_skipped_blocks`);
 - which full blocks it publishes (`is_retained`), and how many blocks one request can hold (`admission_cap`).
 
 `FullAttentionManager` reads every earlier token. `SlidingWindowManager` reads the last `window` tokens, so a
-request holds the window's blocks plus those being written, however long it grows. vLLM v1 has the same split
-(vllm/v1/core/single_type_kv_cache_manager.py). Chapters 6, 7 and 9.
+request holds the window's blocks plus those being written, however long it grows. vLLM v1 has the same
+split. Chapters 6, 7 and 9.
 """
 
 from __future__ import annotations

@@ -4,14 +4,13 @@ A plan replays tens of thousands of requests through the engine's own scheduler 
 times, so the serving loop's per-request work is the planner's whole cost. These subclasses take the same
 decisions as the engine the chapters show, with less work per step:
 
-- `FastBlockManager` keeps, for a model of one full-attention group, each request's slot limit: the tokens its
-  blocks hold before a step needs new blocks or fills one. Below it, a step needs no block work at all.
-- `FastScheduler` skips `allocate_slots` below that limit, and fills the batch's lists in place.
-- `FastBatch` knows that a token budget cuts at most the last request it schedules, so it finds the one prompt
-  chunk without a scan; it keeps no block tables, which a cost runner never reads.
+- `FastBlockManager` keeps, for a model of one full-attention group, each request's slot limit (the tokens its
+  blocks hold before a step needs new blocks or fills one); `FastScheduler` skips `allocate_slots` below it
+  and fills the batch's lists in place.
+- `FastBatch` finds the one prompt chunk without a scan (a token budget cuts at most the last request) and keeps
+  no block tables, which a cost runner never reads.
 - `PlaceholderRunner` keeps one placeholder token object per request, not one per output token.
-
-`FastEngine` is the engine built from them. Its results equal the general engine's to the bit
+`FastEngine` is the engine built from them; its results equal the general engine's to the bit
 (tests/test_simulate.py). Chapter 14.
 """
 
