@@ -90,3 +90,12 @@ def test_the_pdf_holds_every_chapter_title_and_figure(book_pdf):
     info = subprocess.run(["pdfinfo", str(book_pdf)], capture_output=True, text=True).stdout
     pages = int(re.search(r"^Pages:\s+(\d+)", info, re.M).group(1))
     assert pages in PAGES, f"{pages} pages"
+
+
+def test_the_pdf_shows_the_calculator_as_its_address_not_a_dead_form(book_pdf):
+    """The calculator page prints a note (_ext/kvlab_calculator.py): the page's address and the command."""
+    text = plain(subprocess.run(["pdftotext", str(book_pdf), "-"], capture_output=True, text=True).stdout)
+    assert "The calculator runs in the web edition of this book" in text
+    assert "kvlab.github.io/kvlab/book/calculator/index.html" in text.replace(" ", "")
+    # the form's labels, which would print as fields no one can fill in
+    assert "Concurrent sequences" not in text and "Loading Python in your browser" not in text

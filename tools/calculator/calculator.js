@@ -34,11 +34,22 @@ const started = performance.now();
 // Each phase's end, in ms since the script started, is kept on the page (data-phases) for the browser test.
 const phases = {};
 const mark = (name) => { phases[name] = Math.round(performance.now() - started); root.dataset.phases = JSON.stringify(phases); };
+const fetched = (name) => fetch(new URL(name, here)).then((r) => {
+  if (!r.ok) throw new Error(`${name}: HTTP ${r.status}`);
+  return r.arrayBuffer();
+});
+// Pyodide's memory once Python had booted and imported kvlab (tools/calculator/snapshot.mjs): restoring it
+// skips most of the first answer's wait. Gzipped on the site; a server that already decoded it is fine too.
+// A browser without DecompressionStream boots Python itself, which is slower and gives the same answers.
+const snapshot = typeof DecompressionStream === "undefined" ? undefined
+  : fetched("kvlab.snapshot.gz").then((buf) => new Uint8Array(buf, 0, 2).join() !== "31,139" ? buf
+    : new Response(new Blob([buf]).stream().pipeThrough(new DecompressionStream("gzip"))).arrayBuffer());
 const ready = (async () => {
-  const zip = fetch(new URL("kvlab.zip", here)).then((r) => r.arrayBuffer());
+  const zip = fetched("kvlab.zip");
   const { loadPyodide } = await import(new URL("pyodide/pyodide.mjs", here).href);
-  const pyodide = await loadPyodide({ indexURL: new URL("pyodide/", here).href });
+  const pyodide = await loadPyodide({ indexURL: new URL("pyodide/", here).href, _loadSnapshot: snapshot });
   mark("python");
+  // kvlab reads its data files (the registry's configs) when it sizes a model: the snapshot holds no files.
   const site = pyodide.runPython("import sysconfig; sysconfig.get_paths()['purelib']");
   pyodide.unpackArchive(new Uint8Array(await zip), "zip", { extractDir: site });
   const calculator = pyodide.pyimport("kvlab.calculator");
@@ -124,12 +135,14 @@ function render(out, ms) {
   }
   const table = rows.map(([k, v]) => `<tr><th scope="row">${k}</th><td>${v}</td></tr>`).join("");
   const terms = b ? (b.terms ? budgetSvg(b.terms, fmtCapacity(out)) : `<p>${T.notfit}</p>`) : `<p>${T.nogpu}</p>`;
-  const unmatched = out.vllm_serve.unmatched.length
-    ? `<p>${T.unmatched}:</p><ul>${out.vllm_serve.unmatched.map((u) => `<li>${esc(u)}</li>`).join("")}</ul>` : "";
+  // SGLang's pool (kvlabCalc({engine: "sglang", ...})) has no vllm serve command.
+  const serve = out.vllm_serve;
+  const unmatched = serve && serve.unmatched.length
+    ? `<p>${T.unmatched}:</p><ul>${serve.unmatched.map((u) => `<li>${esc(u)}</li>`).join("")}</ul>` : "";
   result.innerHTML =
     `<table class="kvlab-calc-figures"><tbody>${table}</tbody></table>` +
     `<h3>${T.budget}</h3>${terms}` +
-    `<h3>${T.serve}</h3><pre class="kvlab-calc-serve">${esc(out.vllm_serve.command)}</pre>${unmatched}` +
+    (serve ? `<h3>${T.serve}</h3><pre class="kvlab-calc-serve">${esc(serve.command)}</pre>${unmatched}` : "") +
     `<details><summary>${T.report}</summary><pre class="kvlab-calc-report">${esc(out.report)}</pre></details>`;
   status.textContent = `${T.ready} · ${T.took} ${ms.toFixed(0)} ms`;
 }
