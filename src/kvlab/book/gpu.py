@@ -80,7 +80,7 @@ LAB_LIMIT_S: dict[str, float] = {
     "05_active_tokens": 90,
     "06_long_context": 90,
     "07_paging": 60,
-    "08_continuous_batching": 300,
+    "08_continuous_batching": 210,
     "09_prefix_caching": 300,
     "10_weights_not_cache": 180,
     "11_kv_quantization": 300,
