@@ -3,6 +3,7 @@ and the bytes moved per request are `kvlab.specs.sizing`'s for the prompt, in on
 
 import dataclasses
 import functools
+import statistics
 
 import pytest
 import torch
@@ -137,12 +138,21 @@ def test_two_processes(llama, prompts, reference, overlap):
     assert result.link.bytes_per_s > 0
     for trace in result.traces:
         assert trace.arrival <= trace.first_token <= trace.sent < trace.received <= trace.finished
-        # The transfer is timed inside [sent, received]. With the transfers overlapping the engines' steps, a
-        # step may hold either side's thread past its stamp (4.7 ms on a 2-core CI machine), so only the
+        # The first transfer is timed inside [sent, received]. With the transfers overlapping the engines'
+        # steps, a step may hold either side's thread past its stamp (4.7 ms on a 2-core CI machine), so only the
         # acknowledged transfers, with both sides waiting on the link, span the whole interval.
-        assert trace.transfer_s <= trace.received - trace.sent + 1e-4
-        if not overlap:
-            assert trace.transfer_s == pytest.approx(trace.received - trace.sent, abs=1e-3)
+        first = trace.transfer_samples[0]
+        assert first <= trace.received - trace.sent + 1e-4
+        if overlap:
+            assert trace.transfer_samples == [trace.transfer_s]
+        else:
+            assert first == pytest.approx(trace.received - trace.sent, abs=1e-3)
+            # one time per round; the trace's is their median, as the probe's fit takes each size's
+            assert len(trace.transfer_samples) == 5
+            assert trace.transfer_s == pytest.approx(statistics.median(trace.transfer_samples))
+    if not overlap:
+        # the probe's payloads went in the same five rounds: five samples of each size
+        assert sorted(size for size, _ in result.link.samples) == sorted(5 * list(pd.DEFAULT_PROBE_SIZES))
 
 
 def test_run_disaggregated_bad_input():
@@ -156,19 +166,34 @@ def test_run_disaggregated_bad_input():
 
 
 def test_transfer_checks():
-    """The lab's claim on a result built by hand: a request 1.5× its prediction passes [0.5, 2], 3× misses it, and
-    a link four times faster than the fit misses too."""
+    """The lab's claim on a result built by hand: requests 1.2× their prediction hold [0.67, 1.5], 3× miss both
+    ratios; a link with its bandwidth doubled misses the seconds per byte even where the latency hides it from
+    the median, a link 2× slow misses both, a latency too long the median alone."""
     fit = pd.LinkFit(1e-4, 1e9, ((1 << 20, 1e-4 + (1 << 20) / 1e9), (1 << 24, 1e-4 + (1 << 24) / 1e9)))
 
-    def result(factor):
+    def result(factor, link=fit):
         traces = [
             pd.RequestTrace(f"req-{i}", 8, n, [1], 0, 0) for i, n in enumerate((1 << 20, 1 << 22, 1 << 23))
         ]
         for t in traces:
-            t.transfer_s = factor * fit.predict(t.kv_bytes)
-        return pd.DisaggResult([[1]] * 3, traces, "gloo", ("cpu", "cpu"), fit)
+            t.transfer_s = factor * link.predict(t.kv_bytes)
+        return pd.DisaggResult([[1]] * 3, traces, "gloo", ("cpu", "cpu"), link)
 
-    assert all(c.holds for c in result(1.5).transfer_checks([0.5, 2.0]))
-    assert not result(3.0).transfer_checks([0.5, 2.0])[0].holds
-    faster = pd.LinkFit(fit.latency_s, 4 * fit.bytes_per_s, fit.samples)
-    assert min(result(1.0).transfer_ratios(faster)) > 2.0
+    band = [0.67, 1.5]
+    assert all(c.holds for c in result(1.2).transfer_checks(band))
+    assert [c.holds for c in result(3.0).transfer_checks(band)] == [False, False]
+    # a 20 ms latency (a busy machine's wake-ups) dwarfs the bytes' 1-8 ms: doubling the bandwidth moves the
+    # median ratio less than the band allows, and the seconds per byte by exactly 2
+    slow = pd.LinkFit(2e-2, 1e9, fit.samples)
+    doubled = dataclasses.replace(slow, bytes_per_s=2e9)
+    level, growth = result(1.0, slow).transfer_checks(band, doubled)
+    assert level.holds and not growth.holds and "2 in" in growth.detail
+    twice = pd.LinkFit(2 * fit.latency_s, fit.bytes_per_s / 2, fit.samples)
+    assert [c.holds for c in result(1.0).transfer_checks(band, twice)] == [False, False]
+    # a latency 5 ms too long leaves the seconds per byte right and the median wrong
+    late = dataclasses.replace(fit, latency_s=fit.latency_s + 5e-3)
+    assert [c.holds for c in result(1.0).transfer_checks(band, late)] == [False, True]
+    assert min(result(1.0).transfer_ratios(dataclasses.replace(fit, bytes_per_s=4e9))) > 2.0
+    lone = pd.DisaggResult([[1]], result(1.0).traces[:1], "gloo", ("cpu", "cpu"), fit)
+    with pytest.raises(ValueError, match="two sizes"):
+        lone.transfer_checks(band)
