@@ -76,6 +76,47 @@ def test_a_launch_bound_gpu_floor_allows_the_hollow_steps_spread():
     assert hollow.spread_s == pytest.approx(0.05e-3)
 
 
+def rescaled(r, factor, overhead_s):
+    """`r` predicted with its work (the bandwidth's share) scaled by `factor`, as a bandwidth 1/factor wrong."""
+    work = factor * (r.prediction_s - overhead_s)
+    return row(r.measured.batch_size, r.measured.tokens, r.measured.best_s, overhead_s + work, overhead_s)
+
+
+def test_the_work_band_rejects_a_bandwidth_two_times_wrong_either_way():
+    # a small model's steps, mostly overhead: work ratios 1.2, 1.5, 1.45, 1.9 (one context slowed by a burst)
+    o = 2.5e-3
+    rows = [
+        row(1, c, o + w * 2e-3, o + 2e-3, o) for c, w in [(16, 1.2), (256, 1.5), (1024, 1.45), (4096, 1.9)]
+    ]
+    assert [timing.work_ratio(r) for r in rows] == pytest.approx([1.2, 1.5, 1.45, 1.9])
+    band = timing.work_band(rows, on_cpu=True)
+    assert band.holds and band.detail.startswith("1.475 in ["), band.detail
+    # the bandwidth 2x too high: every work predicted in half the time, the median ratio doubles
+    fast = timing.work_band([rescaled(r, 0.5, o) for r in rows], on_cpu=True)
+    assert not fast.holds and fast.detail.startswith("2.95 in"), fast.detail
+    # 2x too low: the median halves, below the band, though the slowest context alone would pass
+    slow = timing.work_band([rescaled(r, 2, o) for r in rows], on_cpu=True)
+    assert not slow.holds and slow.detail.startswith("0.7375 in"), slow.detail
+    # a lab's own band, as chapter 3's for its small model
+    assert timing.work_band(rows, on_cpu=True, band=(0.9, 1.75)).holds
+    # a band 2x wide or wider would let a true prediction and one 2x wrong both hold: refused
+    with pytest.raises(ValueError, match="work band"):
+        timing.work_band(rows, on_cpu=True, band=(0.8, 1.6))
+    low, high = timing.WORK_BAND
+    assert high / low < 2
+
+
+def test_the_work_band_counts_only_work_bound_steps_on_a_gpu():
+    launches = [row(1, c, 1.02e-3, 1.01e-3, 1e-3) for c in (16, 64)]
+    skipped = timing.work_band(launches, on_cpu=False)
+    assert skipped.holds and skipped.detail.startswith("not checked"), skipped.detail
+    # on a CPU the same rows count, and their work (0.02 ms against 0.01 ms predicted) is twice too slow
+    assert not timing.work_band(launches, on_cpu=True).holds
+    # a work-bound GPU step enters the median, the launch-bound ones do not
+    worked = row(1, 4096, 21e-3, 21e-3, 1e-3)
+    assert timing.work_band(launches + [worked], on_cpu=False).detail.startswith("1 in")
+
+
 def test_probe_bytes_follow_the_weights_within_limits():
     model = tiny_model(config=CONFIG, device="cpu")
     assert timing.probe_bytes(model) == 2**20  # a tiny model: the 1 MiB minimum
@@ -169,8 +210,8 @@ def test_roofline_checks():
     contexts, batches = [16, 64], [1, 4, 16]
     o = 3e-3
     rows = [
-        row(1, 16, 30e-3, 35e-3, o),
-        row(1, 64, 31e-3, 36e-3, o),
+        row(1, 16, 32e-3, 35e-3, o),
+        row(1, 64, 33e-3, 36e-3, o),
         row(4, 16, 40e-3, 36e-3, o),
         row(16, 16, 90e-3, 50e-3, o, bound="compute"),
     ]
