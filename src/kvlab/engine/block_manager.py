@@ -216,8 +216,6 @@ class BlockManager:
         (`num_computed_tokens`: the hit, or more when K/V computed elsewhere is loaded), with `reserve_tokens` as
         in `get_num_blocks_to_admit`. The blocks the new tokens fill are published at once.
         """
-        rid = request.request_id
-        assert rid is not None
         if new_computed_blocks is None:
             start = request.num_computed_tokens
         else:
@@ -228,7 +226,13 @@ class BlockManager:
             )
             if not self._admit(request, new_computed_blocks, start + num_new_tokens, reserve_tokens):
                 return False
-        end = start + num_new_tokens
+        return self._grow(request, start, start + num_new_tokens)
+
+    def _grow(self, request: Request, start: int, end: int) -> bool:
+        """Free the blocks no query from `start` on reads, then give each table the blocks it lacks for `end`
+        tokens (all or none: False if the pool is short), and publish the blocks those tokens fill."""
+        rid = request.request_id
+        assert rid is not None
         managers = self.managers
         for m in managers:
             m.remove_skipped_blocks(rid, start)
@@ -322,23 +326,8 @@ class ContiguousBlockManager(BlockManager):
     def get_num_blocks_to_admit(self, hit: ComputedBlocks, num_tokens: int, reserve_tokens: int = 0) -> int:
         return self.reserve_blocks
 
-    def allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_computed_tokens: int | None = None,
-        new_computed_blocks: ComputedBlocks | None = None,
-        reserve_tokens: int = 0,
-    ) -> bool:
-        rid = request.request_id
-        assert rid is not None
-        manager = self.managers[0]
-        if new_computed_blocks is None:
-            # Everything up to max_model_len was reserved at admission
-            table = manager.req_to_blocks[rid]
-            return (
-                manager.get_num_blocks_to_allocate(table, request.num_computed_tokens + num_new_tokens) == 0
-            )
+    def _admit(self, request: Request, hit: ComputedBlocks, num_tokens: int, reserve_tokens: int) -> bool:
+        """Reserve the first free run of blocks long enough for `max_model_len` tokens."""
         if request.external is not None:
             raise ValueError(
                 "the contiguous baseline cannot load K/V computed elsewhere; use the paged layout"
@@ -348,5 +337,12 @@ class ContiguousBlockManager(BlockManager):
             return False
         blocks = list(range(start, start + self.reserve_blocks))
         self.block_pool.touch(blocks)
-        manager.save_new_computed_blocks(rid, blocks)
+        assert request.request_id is not None
+        self.managers[0].save_new_computed_blocks(request.request_id, blocks)
         return True
+
+    def _grow(self, request: Request, start: int, end: int) -> bool:
+        # Everything up to max_model_len was reserved at admission
+        assert request.request_id is not None
+        manager = self.managers[0]
+        return manager.get_num_blocks_to_allocate(manager.req_to_blocks[request.request_id], end) == 0

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvlab.engine.block_manager import BlockManager, ComputedBlocks
+from kvlab.engine.block_manager import BlockManager
 from kvlab.engine.cost_runner import CostRunner, placeholder_token
 from kvlab.engine.llm_engine import LLMEngine
 from kvlab.engine.outputs import BlockTables, RunnerOutput, ScheduledBatch
@@ -35,53 +35,23 @@ class FastBlockManager(BlockManager):
         self.single_full_group = self.windows == [None]
         self.slot_limit: dict[str, int] = {}
 
-    def allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_computed_tokens: int | None = None,
-        new_computed_blocks: ComputedBlocks | None = None,
-        reserve_tokens: int = 0,
-    ) -> bool:
+    def _grow(self, request: Request, start: int, end: int) -> bool:
+        """With one full-attention group: nothing behind a window to free, one table to grow, the blocks it
+        fills published, and the request's new slot limit kept."""
         if not self.single_full_group:
-            return super().allocate_slots(
-                request, num_new_tokens, num_computed_tokens, new_computed_blocks, reserve_tokens
-            )
-        rid = request.request_id
-        assert rid is not None
-        if new_computed_blocks is None:
-            end = request.num_computed_tokens + num_new_tokens
-            if not self._grow_one_table(request, end):
-                return False
-        else:
-            start = (
-                new_computed_blocks.num_computed_tokens
-                if num_computed_tokens is None
-                else num_computed_tokens
-            )
-            if not super().allocate_slots(
-                request, num_new_tokens, start, new_computed_blocks, reserve_tokens
-            ):
-                return False
-            end = start + num_new_tokens
-        bs = self.block_size
-        held = len(self.managers[0].req_to_blocks[rid]) * bs
-        # With caching, a step that fills a block must come back, so that its block is published
-        self.slot_limit[rid] = min(held, (end // bs + 1) * bs - 1) if self.enable_prefix_caching else held
-        return True
-
-    def _grow_one_table(self, request: Request, end: int) -> bool:
-        """`allocate_slots` for a running request of one full-attention group: nothing behind a window to free,
-        one table to grow, and the blocks it fills published."""
-        manager = self.managers[0]
-        table = manager.req_to_blocks[str(request.request_id)]
-        missing = cdiv(end, self.block_size) - len(table)
+            return super()._grow(request, start, end)
+        manager, bs, rid = self.managers[0], self.block_size, str(request.request_id)
+        table = manager.req_to_blocks[rid]
+        missing = cdiv(end, bs) - len(table)
         if missing > 0:
             if missing > self.block_pool.num_free_blocks:
                 return False
             table += self.block_pool.get_new_blocks(missing)
         if self.enable_prefix_caching:
             manager.cache_blocks(request, end)
+        held = len(table) * bs
+        # With caching, a step that fills a block must come back, so that its block is published
+        self.slot_limit[rid] = min(held, (end // bs + 1) * bs - 1) if self.enable_prefix_caching else held
         return True
 
     def free(self, request: Request) -> None:
