@@ -2,8 +2,8 @@
 or half the truth (slow: real transfers between two processes).
 
 Each verdict goes through `kvlab.claims.measure_claim` with the lab's three attempts, each attempt a fresh
-`pd.run_disaggregated` (the function the lab calls, with its probe, rounds and `overlap=False`) on fewer prompts
-than the lab's, spanning the same K/V sizes. The attempts are measured once and shared by the verdicts in the
+`pd.run_disaggregated` (the function the lab calls, with its prompts, probe, rounds and `overlap=False`), each
+prompt decoding 2 tokens where the lab's decode 8. The attempts are measured once and shared by the verdicts in the
 order each asks for them. The mutant is the link each attempt fitted, changed, passed to
 `DisaggResult.transfer_checks` at the lab's band: it must miss every attempt, and name the check that caught it.
 """
@@ -24,10 +24,10 @@ from kvlab.engine.config import EngineConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timed]
 
-# the lab's band, model, probe and rounds; four of its prompt lengths (1 to 12 MiB of K/V)
+# the lab's band, model, prompt lengths (1 to 12 MiB of K/V), probe and rounds
 BAND = (0.67, 1.5)
 KNOBS = dict(layers=4, hidden=256, heads=4, kv_heads=4, vocab=512)
-PROMPT_LENS = [128, 512, 1024, 1536]
+PROMPT_LENS = [128, 256, 384, 512, 768, 1024, 1280, 1536]
 ATTEMPTS = 3
 LEVEL = "median measured / predicted"
 GROWTH = "seconds per byte, requests / link"
@@ -50,7 +50,7 @@ class Attempts:
             EngineConfig(block_size=16, num_blocks=blocks, max_num_batched_tokens=512),
             EngineConfig(block_size=16, num_blocks=blocks),
             probe_sizes=[1 << 20, 1 << 22, 12 << 20],
-            probe_repeats=15,
+            probe_repeats=40,
             overlap=False,
         )
         self.results: list[pd.DisaggResult] = []
