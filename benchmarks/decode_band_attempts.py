@@ -3,6 +3,7 @@ its band, and where a prediction with its bandwidth 2x wrong would land, quiet a
 
     .venv/bin/python benchmarks/decode_band_attempts.py --chapter 4 --runs 20 --json _build/ch4-quiet.json
     .venv/bin/python benchmarks/decode_band_attempts.py --chapter 3 --runs 20 --load --json _build/ch3-loaded.json
+    .venv/bin/python benchmarks/decode_band_attempts.py --report benchmarks/results/decode-band-*.json
 
 Each run is one `timing.sweep_decode` of the lab's CPU model and points (the lab's `parameters` cell), checked
 by the lab's check (`timing.check_context_growth` or `timing.check_roofline`), one attempt with no retry. Per
@@ -56,7 +57,7 @@ def attempt(chapter: int, model: torch.nn.Module) -> dict[str, object]:
     sweep = timing.sweep_decode(model, timing.decode_points(contexts, batches, at), repeat=3, rounds=5)
     if chapter == 3:
         checks = timing.check_context_growth(
-            sweep, contexts, batches, at, min_predicted_growth=1.5, ratio_high=2
+            sweep, contexts, batches, at, min_predicted_growth=1.5, ratio_high=2, band=lab["band"]
         )
     else:
         checks = timing.check_roofline(
@@ -81,13 +82,42 @@ def attempt(chapter: int, model: torch.nn.Module) -> dict[str, object]:
     }
 
 
+def sweep_table(paths: list[Path]) -> str:
+    """Per sweep file, at the lab's band as it is now (a file records the band it ran under): the attempts,
+    the range of their median work ratios, how many a true prediction misses, and how many a prediction with
+    its bandwidth doubled or halved would pass (the median check alone; a halved one also meets the floors)."""
+    lines = [
+        f"{'file':44} {'runs':>4} {'medians':>11} {'band':>12} {'true missed':>11} {'x2 held':>7} {'/2 held':>7}"
+    ]
+    for path in paths:
+        data = json.loads(path.read_text())
+        low, high = LABS[data["chapter"]]["band"]
+        medians = [statistics.median(r["work_ratios"]) for r in data["runs"]]
+        missed = sum(not low <= m <= high for m in medians)
+        doubled = sum(low <= 2 * m <= high for m in medians)
+        halved = sum(low <= m / 2 <= high for m in medians)
+        lines.append(
+            f"{path.name:44} {len(medians):>4} {min(medians):>5.2f}-{max(medians):<5.2f} "
+            f"{f'{low:g}-{high:g}':>12} {missed:>11} {doubled:>7} {halved:>7}"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--chapter", type=int, choices=sorted(LABS), required=True)
+    parser.add_argument(
+        "--report", nargs="+", type=Path, metavar="JSON", help="print earlier sweeps, run nothing"
+    )
+    parser.add_argument("--chapter", type=int, choices=sorted(LABS))
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--load", action="store_true", help="beside one process spinning on the CPU")
     parser.add_argument("--json", type=Path, help="write every attempt here")
     args = parser.parse_args()
+    if args.report:
+        print(sweep_table(args.report))
+        return
+    if args.chapter is None:
+        parser.error("name --chapter 3 or 4, or --report JSON files")
     torch.set_num_threads(1)
     model = models.tiny_model("llama", **LABS[args.chapter]["model"], seed=0)
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.load else None

@@ -423,8 +423,8 @@ def prediction_band(row: DecodeComparison, on_cpu: bool, ratio_high: float) -> C
 # The band a true prediction's work keeps, as the median over the batch-1 contexts of (fastest step - overhead)
 # / predicted work (`work_ratio`). A prediction with its bandwidth or its bytes 2x wrong scales every work ratio
 # by 2 or 1/2; a band narrower than 2x (`work_band` refuses a wider one) holds the true and the wrong apart.
-# This default is chapter 4's, for a model whose step is mostly its weights' read: its medians ran 0.92-1.27 over
-# 40 attempts on a 2-core AMD EPYC, quiet and loaded (benchmarks/results/decode-band-*.json). A model so small
+# This default is chapter 4's, for a model whose step is mostly its weights' read: its medians ran 0.85-1.40 over
+# 60 attempts on a 2-core AMD EPYC, quiet, shared and loaded (benchmarks/results/decode-band-*.json). A model so small
 # that the roofline's left-out operators (norms, RoPE, softmax) weigh runs slower; its lab passes its own band.
 # The median of the contexts, not each one, because a small model's step is mostly fixed overhead and one
 # context's work ratio carries all of that overhead's noise. The per-step band (`prediction_band`) stays, at
