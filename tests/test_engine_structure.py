@@ -131,9 +131,7 @@ def test_no_engine_path_allocates_for_state_layers():
 
     hybrid = "Qwen/Qwen3-Next-80B-A3B-Thinking"
     assert shape(hybrid).spec.has_state
-    with pytest.raises(
-        ValueError, match=r"full and sliding-window attention layers only, not state layers"
-    ):
+    with pytest.raises(ValueError, match=r"full and sliding-window attention layers only, not state layers"):
         KVShape.from_config(hybrid)
     assert CostRunner(lambda n, c: 0.0, 8).windows == [None]
     assert {m.kind for m in SingleTypeKVCacheManager.__subclasses__()} == {"full", "sliding"}

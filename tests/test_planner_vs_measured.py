@@ -149,8 +149,8 @@ def test_the_front_end_delay_adds_to_ttft_and_e2e_only():
     cost = RooflineStepCost("Qwen/Qwen2.5-0.5B", "L4")
     trace = [TraceRequest(0.5 * i, tuple(range(10, 200)), 20) for i in range(4)]
     knobs = dict(num_blocks=512, block_size=16, max_num_seqs=8, max_num_batched_tokens=512)
-    plain = Frontend().simulate(trace, cost, **knobs)
-    delayed = Frontend(0.02).simulate(trace, cost, **knobs)
+    plain = Frontend().simulate(trace, cost, **knobs).requests
+    delayed = Frontend(0.02).simulate(trace, cost, **knobs).requests
     for a, b in zip(plain, delayed, strict=True):
         assert b.ttft == pytest.approx(a.ttft + 0.02)
         assert b.e2e_latency == pytest.approx(a.e2e_latency + 0.02)
@@ -197,6 +197,28 @@ def test_kvlab_plan_quotes_its_track_record(capsys, table):
     assert "published runs like this (L4, 0.5B models;" in out
 
 
+def test_a_front_end_delay_in_a_plan_adds_to_every_ttft_and_nothing_else():
+    from kvlab.costs.workloads import Workload
+    from kvlab.planning import plan as P
+
+    args = dict(
+        context=4096,
+        workload=Workload(rate=1.0, num_requests=30, mean_input=200, mean_output=30),
+        targets=P.Targets(ttft_ms=2000, itl_ms=200),
+        dp=1,
+    )
+    plain = P.plan("Qwen/Qwen2.5-0.5B", "L4", **args)
+    # no delay: the plan kvlab plan printed before the option existed, number for number
+    assert P.plan("Qwen/Qwen2.5-0.5B", "L4", frontend=Frontend(0.0), **args).summary == plain.summary
+    delayed = P.plan("Qwen/Qwen2.5-0.5B", "L4", frontend=Frontend(0.02), **args)
+    # a light load: no request waits on another, so the delay moves each TTFT by exactly 20 ms
+    for q in ("p50", "p99"):
+        assert delayed.summary[f"{q}_ttft_ms"] == pytest.approx(plain.summary[f"{q}_ttft_ms"] + 20)
+        assert delayed.summary[f"{q}_tpot_ms"] == pytest.approx(plain.summary[f"{q}_tpot_ms"])
+    assert "plus a front-end delay of 20 ms per request" in delayed.report()
+    assert "front-end delay" not in plain.report().split("measured")[0]
+
+
 def test_chapter_14_quotes_the_stored_table(table):
     """Chapter 14's numbers on the measured runs (both editions) are the stored table's."""
     cited, fitted = table.rows["cited"], table.rows["fitted"]
@@ -223,6 +245,9 @@ def test_chapter_14_quotes_the_stored_table(table):
         f"{constants.frontend.request_overhead_s * 1e3:.0f} ms per request"
     )
     assert fit.replace("%", " %") in english
+    # the option that adds the fitted delay to a plan, at the fitted value
+    delay = f"--frontend-delay {constants.frontend.request_overhead_s * 1e3:.0f}ms"
+    assert delay in english and delay in chinese
     assert f"TTFT {c['ttft']}，ITL {c['itl']}，端到端 {c['e2e']}" in chinese
     assert (
         f"在其余 {len(holdout)} 次运行上，误差是 TTFT {h['ttft']}，ITL {h['itl']}，端到端 {h['e2e']}"

@@ -118,6 +118,13 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="latency of one TP all-reduce on top of its bytes over the link, e.g. 20us (default 0)",
     )
+    p.add_argument(
+        "--frontend-delay",
+        type=_millis,
+        default=0.0,
+        help="the serving front end's fixed delay per request (HTTP, tokenizing), added to TTFT and latency, "
+        "e.g. 20ms (default 0; benchmarks/planner_vs_measured.py fits one on measured runs)",
+    )
     p.add_argument("--weight-dtype", default="bf16", choices=budget.DTYPES)
     p.add_argument("--kv-dtype", default="bf16", choices=budget.DTYPES)
     p.add_argument(
@@ -224,7 +231,15 @@ def plan_report(args: argparse.Namespace) -> str:
         dp=args.dp,
         max_gpus=args.max_gpus,
     )
-    result = plan.plan(args.model, args.gpu, allreduce_latency_s=args.allreduce_latency / 1e3, **common)
+    from kvlab.planning.frontend import Frontend
+
+    result = plan.plan(
+        args.model,
+        args.gpu,
+        allreduce_latency_s=args.allreduce_latency / 1e3,
+        frontend=Frontend(args.frontend_delay / 1e3),
+        **common,
+    )
     # How far off the planner has been on measured runs of real engines like this one (chapter 14).
     from kvlab.planning.measured import track_record
 

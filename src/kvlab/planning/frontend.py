@@ -14,10 +14,12 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvlab.costs.workloads import TraceRequest
-from kvlab.engine.metrics import RequestMetrics
+
+if TYPE_CHECKING:
+    from kvlab.planning.simulate import SimulationResult
 
 
 @dataclass(frozen=True)
@@ -32,20 +34,33 @@ class Frontend:
                 f"request_overhead_s must be a finite number >= 0, got {self.request_overhead_s!r}"
             )
 
+    def arrivals(self, trace: Sequence[TraceRequest]) -> list[TraceRequest]:
+        """`trace` as the engine sees it: every arrival later by the delay (the same requests with none)."""
+        delay = self.request_overhead_s
+        return (
+            [dataclasses.replace(r, arrival_time=r.arrival_time + delay) for r in trace]
+            if delay
+            else list(trace)
+        )
+
+    def served(self, result: SimulationResult) -> SimulationResult:
+        """`result` of a run on `arrivals(...)`, each request's metrics timed again from its real arrival."""
+        if self.request_overhead_s:
+            for metrics in result.requests:
+                metrics.arrival_time -= self.request_overhead_s
+        return result
+
     def simulate(
         self,
         trace: Sequence[TraceRequest],
         cost: Callable[[Sequence[int], Sequence[int]], float],
         **knobs: Any,
-    ) -> list[RequestMetrics]:
+    ) -> SimulationResult:
         """`kvlab.planning.simulate.simulate(trace, cost, **knobs)` with every arrival delayed by the overhead,
         and each request's metrics timed from its real arrival. Under `concurrency` (a closed loop) the delay
-        is added to each request's latencies but does not hold the engine idle between requests."""
+        is added to each request's latencies but does not hold the engine idle between requests. With no
+        delay it is `simulate` itself, result for result."""
         from kvlab.planning.simulate import simulate
 
-        delay = self.request_overhead_s
-        delayed = [dataclasses.replace(r, arrival_time=r.arrival_time + delay) for r in trace]
-        result = simulate(delayed if delay else list(trace), cost, record_steps=False, **knobs)
-        for metrics in result.requests:
-            metrics.arrival_time -= delay
-        return result.requests
+        knobs.setdefault("record_steps", False)
+        return self.served(simulate(self.arrivals(trace), cost, **knobs))

@@ -165,7 +165,7 @@ def _replay_requests(record: dict[str, Any], constants: Constants) -> list[Row]:
         max_num_batched_tokens=int(record["max_num_batched_tokens"]),
         max_model_len=int(record["max_model_len"]),
         enable_prefix_caching=bool(record["enable_prefix_caching"]),
-    )
+    ).requests
     rows = []
     for run in record["runs"]:
         span = range(int(run["first"]), int(run["end"]))
@@ -268,7 +268,7 @@ def _replay_summary(record: dict[str, Any], constants: Constants) -> list[Row]:
             max_model_len=max_model_len,
             enable_prefix_caching=False,
             concurrency=concurrency,
-        )
+        ).requests
         statistic = record["statistic"]
         measured = {key.removesuffix("_ms"): value for key, value in run["measured"].items()}
         rows.append(_row(record, run, run["name"], config, statistic, measured, _measures(result, statistic)))
@@ -489,7 +489,9 @@ def track_record(gpu: str, model: roofline.Config, table: Table | None = None) -
     def errors(rows: Sequence[Row]) -> str:
         return ", ".join(f"{NAMES[m]} {mape(rows, m):.0f} %" for m in METRICS)
 
+    delay_ms = table.models["fitted"].frontend.request_overhead_s * 1e3
     return (
         f"measured     {len(cited)} published runs like this ({matched}; benchmarks/planner_vs_measured.py) "
-        f"came out with MAPE {errors(cited)}; with a fitted front-end delay per request, {errors(fitted)}"
+        f"came out with MAPE {errors(cited)}; refitted on the {CALIBRATION} runs (the step's three constants and "
+        f"a front-end delay of {delay_ms:.0f} ms per request, which --frontend-delay adds), {errors(fitted)}"
     )

@@ -50,6 +50,7 @@ from kvlab.engine.metrics import SLO, RequestMetrics
 from kvlab.offload.tiers import Link
 from kvlab.offload.tiers import link as find_link
 from kvlab.planning import cluster
+from kvlab.planning.frontend import Frontend
 from kvlab.planning.router import POLICIES, Router
 from kvlab.planning.simulate import SimulationResult, simulate
 from kvlab.specs import arch, hardware, sizing
@@ -214,6 +215,8 @@ class Plan:
     speculation: str = ""  # the speculative settings the memory was sized with ("" when off)
     # The search's top still met the targets: goodput_rps is a lower bound (a short trace cannot tell more).
     goodput_is_lower_bound: bool = False
+    # The front end's fixed delay per request inside every TTFT and latency below (`kvlab.planning.frontend`)
+    frontend_ms: float = 0.0
 
     @property
     def num_gpus(self) -> int:
@@ -240,6 +243,11 @@ class Plan:
             "prediction)",
             "modelled latencies (kvlab.planning.simulate on the realistic roofline cost; not measured):",
         ]
+        if self.frontend_ms:
+            lines[-1] = (
+                "modelled latencies (kvlab.planning.simulate on the realistic roofline cost, plus a front-end delay "
+                f"of {self.frontend_ms:g} ms per request; not measured):"
+            )
         if self.speculation:
             lines[-1:-1] = [
                 f"speculation  {self.speculation}: in the memory budget and the pool only; throughput and latencies "
@@ -324,13 +332,16 @@ def plan(
     speculative: int | None = None,
     draft: str | None = None,
     draft_layers: int | None = None,
+    frontend: Frontend | None = None,
 ) -> Plan:
     """Plan `model` on `gpu` (see the module docstring) at `settings` (vLLM's defaults when None: their tp and
     pp, dtypes and engine limits). `dp=None` searches the smallest data-parallel count (up to `max_gpus` GPUs in
     all, tp × pp per replica) meeting `targets` at the workload's rate; a given `dp` is evaluated as is.
     `speculative`, `draft` and `draft_layers`, when given, replace the settings' (memory only: see the module
-    docstring)."""
+    docstring). `frontend` adds the serving front end's fixed delay per request to each TTFT and latency
+    (`kvlab.planning.frontend`; none by default)."""
     settings = settings or budget.BudgetSettings()
+    frontend = frontend or Frontend()
     try:
         settings = dataclasses.replace(
             settings,
@@ -421,19 +432,21 @@ def plan(
 
     def serve(trace: list[TraceRequest], concurrency: int | None, verdict: bool = False) -> SimulationResult:
         """One replica of the planned engine serving `trace`."""
-        return simulate(
-            trace,
-            cost,
-            num_blocks=blocks_per_scheduler,
-            block_size=mb.block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=context,
-            enable_prefix_caching=caching,
-            concurrency=concurrency,
-            record_steps=False,
-            progress=f"simulating {layout}",
-            stop_when=targets.refuted_by(len(trace)) if verdict else None,
+        return frontend.served(
+            simulate(
+                frontend.arrivals(trace),
+                cost,
+                num_blocks=blocks_per_scheduler,
+                block_size=mb.block_size,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=context,
+                enable_prefix_caching=caching,
+                concurrency=concurrency,
+                record_steps=False,
+                progress=f"simulating {layout}",
+                stop_when=targets.refuted_by(len(trace)) if verdict else None,
+            )
         )
 
     # Targets no GPU count meets: even a request alone on an idle replica misses them.
@@ -505,6 +518,7 @@ def plan(
         pp=pp,
         link_ms=cost.link_seconds([1] * max(1, round(summary["mean_running"]))) * 1e3,
         speculation=_speculation(settings, mb),
+        frontend_ms=frontend.request_overhead_s * 1e3,
     )
 
 
