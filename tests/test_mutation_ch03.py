@@ -9,12 +9,12 @@ median work check (`timing.work_band`), so the verdict is the claim's, not one l
 
 import pytest
 import torch
+from test_mutation_ch04 import MEDIAN, every_attempt_missed, scale_bandwidth
 from transformers import DynamicCache
 
 from kvlab import claims, models
 from kvlab.experiments import timing
 from kvlab.measure import Timer
-from kvlab.specs import hardware
 
 pytestmark = [pytest.mark.slow, pytest.mark.timed]
 
@@ -48,18 +48,6 @@ def test_a_prefill_timed_one_token_at_a_time_misses(model, monkeypatch):
 
 # The lab's contexts, batches and attempts (book/03_prefill_decode/lab.ipynb's `parameters`)
 CONTEXTS, BATCHES, ATTEMPTS, BAND = [16, 256, 1024, 4096], [1, 16], 3, (0.9, 1.75)
-MEDIAN = "batch 1: median of (step - overhead) / predicted work"
-
-
-def scale_bandwidth(monkeypatch, factor):
-    """Every rate the roofline runs on times `factor`: the copy's and the matrix-vector product's."""
-    copy_rate, read_rate = hardware.CopyProbe.bandwidth_bytes_per_s, hardware.LinearProbe.read_bytes_per_s
-    monkeypatch.setattr(
-        hardware.CopyProbe, "bandwidth_bytes_per_s", property(lambda p: copy_rate.fget(p) * factor)
-    )
-    monkeypatch.setattr(
-        hardware.LinearProbe, "read_bytes_per_s", property(lambda p: read_rate.fget(p) * factor)
-    )
 
 
 def decode_claim(model, caught_by):
@@ -73,10 +61,7 @@ def decode_claim(model, caught_by):
         ),
         attempts=ATTEMPTS,
     )
-    assert not verdict.holds and verdict.count == ATTEMPTS
-    for attempt in verdict.attempts:
-        missed = [c.name for c in attempt.misses]
-        assert any(name in caught_by for name in missed), missed
+    every_attempt_missed(verdict, ATTEMPTS, caught_by)
 
 
 def test_a_predicted_bandwidth_halved_misses(model, monkeypatch):
