@@ -123,7 +123,7 @@ def test_ch4_critical_batch_is_the_cheat_sheets_at_one_token():
     assert abs(one_token - hardware.get(H100).ridge_flops_per_byte) < 2, "with an empty cache: the ridge"
     text = flat(page("04_bandwidth_bound"))
     assert (
-        f"With a one-token context it is about the ridge, {one_token:.0f}: the figure in the [cheat sheet]"
+        f"With a one-token context it is about the ridge, {one_token:.0f} ([cheat sheet]"
         in text
     )
     appendix = json.loads((BOOK / "appendix_cheat_sheet" / "lab.ipynb").read_text())
