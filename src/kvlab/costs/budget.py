@@ -65,7 +65,8 @@ class Estimates:
 
     driver_reserved_bytes: int  # NVML's total less CUDA's
     non_torch_tp1_bytes: int  # memory outside PyTorch the profile adds, one GPU
-    non_torch_tp_bytes: int  # the same at TP >= 2 (NCCL and custom all-reduce buffers)
+    non_torch_tp_bytes: int  # the same at TP >= 2 where NCCL runs NVLS (Accelerator.nvls: HGX Hopper, later)
+    non_torch_tp_no_nvls_bytes: int  # the same at TP >= 2 elsewhere (A100, PCIe, GeForce): no NVLS buffers
     context_tp1_bytes: int  # in use before vLLM's snapshot (CUDA context, cuBLAS): charged by 0.34 and v0
     context_tp_bytes: int  # the same at TP >= 2 (NCCL communicators come up first)
     sampler_bytes_per_logit: int  # the sampler's dummy batch, per logit alive at its peak, before vLLM 0.17
@@ -73,8 +74,10 @@ class Estimates:
     cuda_graph_bytes: int  # one captured graph beyond the first
     forward_percent: int  # the forward's activation estimate, as a share of `activation_workspace_bytes`
 
-    def non_torch(self, tp: int) -> int:
-        return self.non_torch_tp1_bytes if check_count("tp", tp) == 1 else self.non_torch_tp_bytes
+    def non_torch(self, tp: int, nvls: bool = True) -> int:
+        if check_count("tp", tp) == 1:
+            return self.non_torch_tp1_bytes
+        return self.non_torch_tp_bytes if nvls else self.non_torch_tp_no_nvls_bytes
 
     def context(self, tp: int) -> int:
         return self.context_tp1_bytes if check_count("tp", tp) == 1 else self.context_tp_bytes
@@ -98,7 +101,8 @@ SAMPLER_SHRANK_IN = (0, 17)
 # - driver reserve: 430 MiB on an RTX 3090 (23.58 GiB printed by vLLM, tests/data/vllm_logs), 479 MiB on an H100
 #   80GB (79.18 GiB, llm-d/llm-d-benchmark), 494 MiB on an RTX PRO 4500 (vllm-project/vllm#51590);
 # - non-torch: 0.05-0.35 GiB measured at TP=1, about 2.1 GiB per GPU at TP >= 2, in tests/data/vllm_logs and
-#   kvlab issue 21; the context: pytorch/pytorch#34323's 781 MiB, NCCL's buffers beside it at TP >= 2;
+#   kvlab issue 21, on H100s with NVLS; without NVLS kvlab has no measurement above that, so the floor keeps it;
+#   the context: pytorch/pytorch#34323's 781 MiB, NCCL's buffers beside it at TP >= 2;
 # - sampler: 0.33's Triton top-k/top-p path holds the bf16 logits (2), their fp32 copy (4), the probabilities (4)
 #   and the exponential noise (4) (vllm/v1/sample/sampler.py, ops/topk_topp_sampler.py); the PyTorch path sorts:
 #   values (4) and int64 indices (8) more. A v1 log measured 4.76 GiB for Llama-3.1-8B at 1,024 rows of 128,256
@@ -109,6 +113,7 @@ FLOOR = Estimates(
     driver_reserved_bytes=512 * MiB,
     non_torch_tp1_bytes=512 * MiB,
     non_torch_tp_bytes=2304 * MiB,
+    non_torch_tp_no_nvls_bytes=2304 * MiB,
     context_tp1_bytes=CUDA_CONTEXT_BYTES,
     context_tp_bytes=CUDA_CONTEXT_BYTES + 512 * MiB,
     sampler_bytes_per_logit=40,
@@ -125,6 +130,7 @@ CENTRAL = Estimates(
     driver_reserved_bytes=468 * MiB,
     non_torch_tp1_bytes=64 * MiB,
     non_torch_tp_bytes=1536 * MiB,
+    non_torch_tp_no_nvls_bytes=64 * MiB,
     context_tp1_bytes=256 * MiB,
     context_tp_bytes=1024 * MiB,
     sampler_bytes_per_logit=38,
@@ -140,9 +146,10 @@ SAMPLER_BYTES_PER_LOGIT = FLOOR.sampler_bytes_per_logit
 CUDA_GRAPH_BYTES = FLOOR.cuda_graph_bytes
 
 
-def non_torch_bytes(tp: int = 1, estimates: Estimates = FLOOR) -> int:
-    """Estimated memory outside PyTorch that vLLM charges per GPU at `tp` tensor-parallel ranks."""
-    return estimates.non_torch(tp)
+def non_torch_bytes(tp: int = 1, estimates: Estimates = FLOOR, nvls: bool = True) -> int:
+    """Estimated memory outside PyTorch that vLLM charges per GPU at `tp` tensor-parallel ranks, on GPUs where
+    NCCL runs NVLS (`nvls`, `kvlab.specs.hardware.Accelerator.nvls`) or not."""
+    return estimates.non_torch(tp, nvls)
 
 
 def cuda_graph_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
@@ -816,13 +823,14 @@ def _budget(
     plain = MemoryBudget(
         capacity_bytes=spec.memory_bytes,
         gpu_memory_utilization=gpu_memory_utilization,
-        runtime_bytes=estimates.non_torch(tp) if runtime_bytes is None else runtime_bytes,
+        runtime_bytes=estimates.non_torch(tp, spec.nvls) if runtime_bytes is None else runtime_bytes,
         weight_bytes=weight_bytes_per_gpu(config, weight_dtype, tp=tp, pp=pp),
         activation_bytes=forward,
         block_size=block_size,
         kv_bytes_per_token=target_kv,
         runtime_source=(
-            f"estimate at TP={tp} (kvlab.costs.budget.non_torch_bytes)"
+            f"estimate at TP={tp}{'' if tp == 1 else (', NVLS' if spec.nvls else ', no NVLS')} "
+            "(kvlab.costs.budget.non_torch_bytes)"
             if runtime_bytes is None
             else "measured (vLLM's non_torch_memory)"
         ),

@@ -268,6 +268,8 @@ MiB = 2**20
 GRID = {
     "non_torch_tp1_bytes": [n * 32 * MiB for n in range(2, 17)],
     "non_torch_tp_bytes": [n * 128 * MiB for n in range(12, 19)],
+    # without NVLS (kvlab.specs.hardware.Accelerator.nvls): from the central TP=1 value up to the H100 bound above
+    "non_torch_tp_no_nvls_bytes": [n * 64 * MiB for n in range(1, 25)],
     "context_tp1_bytes": [n * 64 * MiB for n in range(4, 13)],
     "sampler_bytes_per_logit": list(range(12, 42, 2)),
     "sampler_bytes_per_logit_017": list(range(12, 42, 2)),

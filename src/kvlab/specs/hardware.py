@@ -93,6 +93,11 @@ class Accelerator:
     # Dense fp8 tensor-core peak, FLOP/s: twice the bf16 figure on Ada, Hopper and Blackwell (the same datasheet,
     # halving its with-sparsity fp8 figure); None where the part has no fp8 tensor cores (T4, A100).
     fp8_flops: float | None = None
+    # Whether NCCL can run NVLink SHARP (NVLS) among these GPUs: HGX boards of Hopper or later, whose third-generation
+    # NVSwitch reduces in the switch. NVLS buffers make NCCL's memory much larger there (NVIDIA/NeMo-Framework-
+    # Launcher#127 sets NCCL_NVLS_ENABLE=0 "for memory saving"; NVIDIA/JAX-Toolbox#383: communicator set-up with NVLS
+    # "is memory intensive"), so vLLM's non-torch memory at TP >= 2 depends on it (kvlab.costs.budget).
+    nvls: bool = False
 
     @property
     def ridge_flops_per_byte(self) -> float:
@@ -156,6 +161,7 @@ _SPECS = [
         900 * GB,
         "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet (H100 SXM column)",
         fp8_flops=1978.9 * TFLOPS,
+        nvls=True,
     ),
     Accelerator(
         "H100-PCIe",
@@ -179,6 +185,7 @@ _SPECS = [
         900 * GB,
         "https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM datasheet column)",
         fp8_flops=1978.9 * TFLOPS,
+        nvls=True,
     ),
     Accelerator(
         "B200",
@@ -190,6 +197,7 @@ _SPECS = [
         1800 * GB,
         "https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200 per-GPU figures: 4.5 PFLOPS bf16 sparse)",
         fp8_flops=4500 * TFLOPS,
+        nvls=True,
     ),
     Accelerator(
         "MI300X",
@@ -223,6 +231,7 @@ _SPECS = [
         note="SXM5. NVIDIA no longer hosts an H800 datasheet: the part is the H100 SXM's silicon and clocks with "
         "NVLink cut from 900 to 400 GB/s (and FP64 cut), so the H100 SXM figures stand for its memory and compute.",
         fp8_flops=1978.9 * TFLOPS,
+        nvls=True,
     ),
     Accelerator(
         "A800-80GB",
@@ -257,6 +266,7 @@ _SPECS = [
         "measured 8k-square bf16 matmul reaches 142 TFLOPS (zzc0721/torch-performance-test-data#77). A 141 GB "
         "HBM3e H20 also exists; this entry is the 96 GB part.",
         fp8_flops=296 * TFLOPS,
+        nvls=True,
     ),
     Accelerator(
         "L20",
