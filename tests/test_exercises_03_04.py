@@ -122,10 +122,7 @@ def test_ch4_critical_batch_is_the_cheat_sheets_at_one_token():
     assert one_token is not None and short is not None and one_token < short
     assert abs(one_token - hardware.get(H100).ridge_flops_per_byte) < 2, "with an empty cache: the ridge"
     text = flat(page("04_bandwidth_bound"))
-    assert (
-        f"With a one-token context it is about the ridge, {one_token:.0f} ([cheat sheet]"
-        in text
-    )
+    assert f"With a one-token context it is about the ridge, {one_token:.0f} ([cheat sheet]" in text
     appendix = json.loads((BOOK / "appendix_cheat_sheet" / "lab.ipynb").read_text())
     cell = next(c for c in appendix["cells"] if 'glue("app_critical"' in "".join(c["source"]))
     assert "critical_batch_size(model, acc, 1, dtype, dtype)" in "".join(cell["source"]), (
