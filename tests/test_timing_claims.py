@@ -33,7 +33,8 @@ def sweep(rows, overhead_s, on_cpu=True, hw=FAKE, read_cost=None):
     """A sweep of `rows`; by default this device's matmul reads the weights as fast at every batch as at one."""
     overhead = timing.StepOverhead(timing.StepTiming(1, 1, (overhead_s,)), 2, 0.0)
     costs = read_cost or {r.measured.batch_size: 1.0 for r in rows}
-    return timing.DecodeSweep(hw, overhead, tuple(rows), CONFIG, torch.float32, on_cpu, costs)
+    # one round: each point paired with the sweep's own ceilings
+    return timing.DecodeSweep(hw, overhead, tuple(rows), CONFIG, torch.float32, on_cpu, costs, (tuple(rows),))
 
 
 def failed(checks):
@@ -97,7 +98,7 @@ def test_the_work_band_rejects_a_bandwidth_two_times_wrong_either_way():
     # 2x too low: the median halves, below the band, though the slowest context alone would pass
     slow = timing.work_band([rescaled(r, 2, o) for r in rows], on_cpu=True)
     assert not slow.holds and slow.detail.startswith("0.7375 in"), slow.detail
-    # a lab's own band, as chapter 3's for its small model
+    # a lab may pass a band of its own
     assert timing.work_band(rows, on_cpu=True, band=(0.9, 1.75)).holds
     # a band 2x wide or wider would let a true prediction and one 2x wrong both hold: refused
     with pytest.raises(ValueError, match="work band"):
@@ -153,6 +154,16 @@ def test_a_sweep_measures_everything_in_rounds():
     assert s.row(2, 8) is s.rows[1] and s.at_batches([1, 2], 8) == list(s.rows)
     with pytest.raises(KeyError, match="no measured point"):
         s.row(3, 8)
+    # each round apart: its own steps of every point, against that round's ceilings and hollow steps
+    assert len(s.round_rows) == 3
+    paired = s.paired_rows([8])
+    assert [p.measured.seconds for p in paired] == [s.rows[0].measured.seconds[k : k + 2] for k in (0, 2, 4)]
+    hollow = s.overhead.timing.seconds
+    bound = s.overhead.bound_s
+    assert [p.overhead_s for p in paired] == [max(min(hollow[k : k + 2]) - bound, 0) for k in (0, 2, 4)]
+    # a round's ceilings are no faster than the fastest of the whole sweep
+    assert all(p.predicted.memory_s >= s.rows[0].predicted.memory_s for p in paired)
+    assert s.paired_rows([8], batch_size=2)[0] is s.round_rows[0][1]
 
 
 def test_context_growth_checks():

@@ -24,7 +24,6 @@ import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import partial
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, PreTrainedModel
@@ -218,15 +217,16 @@ class DecodeComparison:
 
 
 def _compare(
-    model: PreTrainedModel,
+    config: PretrainedConfig,
+    dtype: torch.dtype,
     hw: Accelerator | Measurement,
     timing: StepTiming,
     realism: Realism | None,
 ) -> DecodeComparison:
-    step = decode_step(model.config, hw, timing.batch_size, timing.tokens, dtype=model.dtype)
+    step = decode_step(config, hw, timing.batch_size, timing.tokens, dtype=dtype)
     if realism is None:
         return DecodeComparison(timing, step)
-    predicted = predict_bench_step(step, hw, model.dtype, realism)
+    predicted = predict_bench_step(step, hw, dtype, realism)
     return DecodeComparison(timing, step, predicted, realism.step_overhead_s)
 
 
@@ -257,7 +257,7 @@ def compare_decode(
     check_count("warmup", warmup, 0)
     benches = [_DecodeBench(model, b, c, seed=0) for b in batch_sizes for c in context_lens]
     pooled = _time_in_rounds(benches, repeat, warmup, rounds)
-    return [_compare(model, hw, timing, realism) for timing in pooled]
+    return [_compare(model.config, model.dtype, hw, timing, realism) for timing in pooled]
 
 
 def _time_in_rounds(
@@ -454,8 +454,8 @@ def work_band(
     dominance: float = WORK_BAND_DOMINANCE,
     band: tuple[float, float] = WORK_BAND,
 ) -> Check:
-    """The median work ratio of `rows` (`median_work_ratio`) within `band`: what rejects a roofline 2x wrong
-    either way, so a band 2x wide or wider is refused. On a GPU with no work-bound row, the check says so and
+    """The median work ratio of `rows` (`median_work_ratio`; the labs pass `DecodeSweep.paired_rows`) within
+    `band`: what rejects a roofline 2x wrong either way, so a band 2x wide or wider is refused. On a GPU with no work-bound row, the check says so and
     holds (the regime line reports it)."""
     low, high = band
     if not 0 < low < high < 2 * low:
@@ -491,18 +491,29 @@ class DecodeSweep:
     # The model's linear maps at each measured batch over at batch 1 (`kvlab.specs.hardware.LinearProbe`): what
     # reading the weights once costs this device at that batch, in matrix-vector products
     read_cost: Mapping[int, float]
+    # Per round, every point's steps of that round against that round's own ceilings and hollow steps
+    round_rows: tuple[tuple[DecodeComparison, ...], ...]
 
     def row(self, batch_size: int, context_len: int) -> DecodeComparison:
-        for r in self.rows:
-            if (r.measured.batch_size, r.measured.tokens) == (batch_size, context_len):
-                return r
-        raise KeyError(f"no measured point at batch {batch_size}, context {context_len}")
+        return _find(self.rows, batch_size, context_len)
 
     def at_contexts(self, contexts: Sequence[int], batch_size: int = 1) -> list[DecodeComparison]:
         return [self.row(batch_size, c) for c in contexts]
 
+    def paired_rows(self, contexts: Sequence[int], batch_size: int = 1) -> list[DecodeComparison]:
+        """Every round's steps at `contexts`, each predicted from the ceilings and overhead timed in its own
+        round: what the work band's median is taken over (`work_band`)."""
+        return [_find(rows, batch_size, c) for rows in self.round_rows for c in contexts]
+
     def at_batches(self, batch_sizes: Sequence[int], context_len: int) -> list[DecodeComparison]:
         return [self.row(b, context_len) for b in batch_sizes]
+
+
+def _find(rows: Sequence[DecodeComparison], batch_size: int, context_len: int) -> DecodeComparison:
+    for r in rows:
+        if (r.measured.batch_size, r.measured.tokens) == (batch_size, context_len):
+            return r
+    raise KeyError(f"no measured point at batch {batch_size}, context {context_len}")
 
 
 def decode_points(
@@ -533,7 +544,8 @@ def sweep_decode(
     linear maps at every measured batch (`hardware.LinearProbe`, on weights of its shapes within the same bytes),
     then `repeat` steps of the hollow twin (the fixed overhead) and of every (batch, context) point. Each
     quantity is the fastest over all rounds (noise only ever adds time), and each step is predicted by
-    `predict_bench_step`.
+    `predict_bench_step`. Each round is also kept apart (`DecodeSweep.paired_rows`): its steps against its own
+    ceilings and hollow steps, what the work band is checked on.
 
     The roofline reads the cache at the copy's bandwidth. It reads the weights at the same rate on a GPU, whose
     memory system sets it; on a CPU at the linear maps' read rate at batch 1 (`hw.weight_read_bytes_per_s`).
@@ -553,12 +565,24 @@ def sweep_decode(
     benches = [
         _DecodeBench(m, b, c, seed, clock) for m, b, c in [(hollow, 1, 1), *((model, *p) for p in points)]
     ]
-    # as many passes of the linear maps per round as steps of a point: their fastest is the bandwidth on a CPU,
-    # and a best of fewer samples would sit higher in the noise than the steps it predicts
-    ceilings: list[Callable[[], object]] = [probe.time, matmul.time]
-    ceilings += [partial(r.time, repeat) for r in reads.values()]
-    timings = _time_in_rounds(benches, repeat, warmup, rounds, ceilings)
     on_cpu = device.type == "cpu"
+    per_round: list[Measurement] = []
+
+    def ceilings() -> None:
+        # as many passes of the linear maps per round as steps of a point: their fastest is the bandwidth on a
+        # CPU, and a best of fewer samples would sit higher in the noise than the steps it predicts
+        copy_s, matmul_s = probe.time(), matmul.time()
+        read_s = {b: r.time(repeat) for b, r in reads.items()}
+        per_round.append(
+            replace(
+                peak,
+                bandwidth_bytes_per_s=2 * probe.nbytes / copy_s,
+                flops=2 * matmul.n**3 / matmul_s,
+                weight_read_bytes_per_s=reads[1].nbytes / read_s[1] if on_cpu else None,
+            )
+        )
+
+    timings = _time_in_rounds(benches, repeat, warmup, rounds, [ceilings])
     weight_rate = reads[1].read_bytes_per_s if on_cpu else None
     hw = replace(
         peak,
@@ -569,11 +593,35 @@ def sweep_decode(
     overhead = _overhead(hollow, timings[0], hw)
     realism = overhead.realism()
     rows = tuple(
-        replace(_compare(model, hw, timing, realism), overhead_spread_s=overhead.spread_s)
+        replace(_compare(model.config, dtype, hw, timing, realism), overhead_spread_s=overhead.spread_s)
         for timing in timings[1:]
     )
     read_cost = {b: r.fastest_s() / reads[1].fastest_s() for b, r in reads.items()}
-    return DecodeSweep(hw, overhead, rows, model.config, dtype, on_cpu, read_cost)
+    round_rows = tuple(
+        _round_rows(model.config, dtype, round_hw, [_in_round(t, k, repeat) for t in timings], overhead)
+        for k, round_hw in enumerate(per_round)
+    )
+    return DecodeSweep(hw, overhead, rows, model.config, dtype, on_cpu, read_cost, round_rows)
+
+
+def _in_round(timing: StepTiming, k: int, repeat: int) -> StepTiming:
+    """The `repeat` steps `timing` took in round `k` (`_time_in_rounds` keeps them in round order)."""
+    return replace(timing, seconds=timing.seconds[k * repeat : (k + 1) * repeat])
+
+
+def _round_rows(
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    hw: Measurement,
+    timings: Sequence[StepTiming],
+    overhead: StepOverhead,
+) -> tuple[DecodeComparison, ...]:
+    """One round's points (`timings[1:]`) predicted from that round's ceilings `hw` and its hollow steps
+    (`timings[0]`). Drift between rounds (a core's clock, a neighbour on the memory bus) then moves a step and
+    its prediction together; the fastest over the whole sweep can pair a step and a ceiling from different
+    moments (`benchmarks/decode_band_attempts.py` measured both)."""
+    realism = replace(overhead, timing=timings[0]).realism()
+    return tuple(_compare(config, dtype, hw, t, realism) for t in timings[1:])
 
 
 def linear_shapes(model: PreTrainedModel) -> list[tuple[int, int]]:
@@ -639,7 +687,7 @@ def check_context_growth(
     _check_batch_one(batch_sizes)
     rows = sweep.at_contexts(contexts)
     checks = _ratio_band(rows, sweep.on_cpu, ratio_high)
-    checks.append(work_band(rows, sweep.on_cpu, band=band))
+    checks.append(work_band(sweep.paired_rows(contexts), sweep.on_cpu, band=band))
     predicted = rows[-1].prediction_s / rows[0].prediction_s
     shows = predicted >= min_predicted_growth
     if sweep.on_cpu:
@@ -683,7 +731,7 @@ def check_roofline(
     _check_batch_one(batch_sizes)
     single = sweep.at_contexts(contexts)
     checks = _ratio_band(single, sweep.on_cpu, ratio_high)
-    checks.append(work_band(single, sweep.on_cpu, dominance, band))
+    checks.append(work_band(sweep.paired_rows(contexts), sweep.on_cpu, dominance, band))
     overhead = sweep.overhead.step_s
     held = [r for r in single if r.work_s >= dominance * overhead]
     checks += [
