@@ -420,15 +420,15 @@ def prediction_band(row: DecodeComparison, on_cpu: bool, ratio_high: float) -> C
     return between(name, row.best_ratio, prediction_floor(row, on_cpu), ratio_high)
 
 
-# The band a true prediction's work keeps, as the median over the batch-1 contexts of (fastest step - overhead)
+# The band a true prediction's work keeps, as the median over the batch-1 steps of (fastest step - overhead)
 # / predicted work (`work_ratio`). A prediction with its bandwidth or its bytes 2x wrong scales every work ratio
 # by 2 or 1/2; a band narrower than 2x (`work_band` refuses a wider one) holds the true and the wrong apart.
-# This default is chapter 4's, for a model whose step is mostly its weights' read: its medians ran 0.85-1.40 over
-# 60 attempts on a 2-core AMD EPYC, quiet, shared and loaded (benchmarks/results/decode-band-*.json). A model so small
-# that the roofline's left-out operators (norms, RoPE, softmax) weigh runs slower; its lab passes its own band.
-# The median of the contexts, not each one, because a small model's step is mostly fixed overhead and one
-# context's work ratio carries all of that overhead's noise. The per-step band (`prediction_band`) stays, at
-# every context, for what it rejects: a step faster than its work and overhead allow.
+# The median runs over every round and context, each round's steps against that round's own ceilings
+# (`DecodeSweep.paired_rows`): on a 2-core AMD EPYC, quiet and loaded, 40 attempts of each of chapters 3 and 4 ran
+# 0.91-1.40, where the fastest of the whole sweep had spread chapter 3's over 0.88-1.78
+# (benchmarks/results/decode-band-*.json). The median, not each one, because a small model's step is mostly fixed
+# overhead and one context's work ratio carries all of that overhead's noise. The per-step band
+# (`prediction_band`) stays, at every context, for what it rejects: a step faster than its work and overhead allow.
 WORK_BAND = (0.8, 1.5)
 # On a GPU, only steps whose predicted work is at least this many times the overhead enter the median:
 # below, a step is launches, and its work ratio is noise over a tiny denominator.
