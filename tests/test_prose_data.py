@@ -56,3 +56,37 @@ def test_chapter_17_names_the_statistic_the_link_fit_uses():
     assert "np.median" in Path(pd.__file__).read_text()
     assert "fastest sample" not in (ROOT / "book/17_cluster/index.md").read_text()
     assert "最快的一次" not in (ROOT / "book/zh/17_cluster.md").read_text()
+
+
+def paired_medians(pattern: str) -> list[float]:
+    """The paired median work ratio of every attempt in the committed decode-band sweeps matching `pattern`."""
+    import statistics
+
+    return [
+        statistics.median(run["paired_work_ratios"])
+        for path in sorted(glob.glob(str(ROOT / f"benchmarks/results/{pattern}")))
+        for run in json.loads(Path(path).read_text())["runs"]
+    ]
+
+
+def span(values: list[float]) -> str:
+    """A range rounded outwards, as the pages quote it."""
+    return f"{math.floor(min(values) * 100) / 100:.2f}–{math.ceil(max(values) * 100) / 100:.2f}"
+
+
+def test_chapters_3_and_4_state_the_paired_work_medians():
+    ch3 = paired_medians("decode-band-2026-12-08-ch3-quiet.json")
+    ch4 = paired_medians("decode-band-2026-12-08-ch4-*.json")
+    assert len(ch3) == 20 and len(ch4) == 40
+    en3 = " ".join((ROOT / "book/03_prefill_decode/index.md").read_text().split())
+    assert f"20 attempts ran {span(ch3)}" in en3
+    assert f"20 次尝试落在 {span(ch3)}" in (ROOT / "book/zh/03_prefill_decode.md").read_text()
+    en4 = " ".join((ROOT / "book/04_bandwidth_bound/index.md").read_text().split())
+    assert f"the median work ratio ran {span(ch4)}" in en4 and "none of the 40 would have passed" in en4
+    zh4 = (ROOT / "book/zh/04_bandwidth_bound.md").read_text()
+    assert f"计算时间比值的中位数在 {span(ch4)} 之间" in zh4
+    # none of them a 2x wrong roofline could pass: doubled above the band, halved below it
+    from kvlab.experiments.timing import WORK_BAND
+
+    low, high = WORK_BAND
+    assert all(2 * m > high and m / 2 < low and low <= m <= high for m in ch3 + ch4)

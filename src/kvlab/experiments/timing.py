@@ -425,7 +425,7 @@ def prediction_band(row: DecodeComparison, on_cpu: bool, ratio_high: float) -> C
 # by 2 or 1/2; a band narrower than 2x (`work_band` refuses a wider one) holds the true and the wrong apart.
 # The median runs over every round and context, each round's steps against that round's own ceilings
 # (`DecodeSweep.paired_rows`): on a 2-core AMD EPYC, quiet and loaded, 40 attempts of each of chapters 3 and 4 ran
-# 0.91-1.40, where the fastest of the whole sweep had spread chapter 3's over 0.88-1.78
+# 0.90-1.41, where the fastest of the whole sweep had spread chapter 3's over 0.88-1.78
 # (benchmarks/results/decode-band-*.json). The median, not each one, because a small model's step is mostly fixed
 # overhead and one context's work ratio carries all of that overhead's noise. The per-step band
 # (`prediction_band`) stays, at every context, for what it rejects: a step faster than its work and overhead allow.
