@@ -30,14 +30,10 @@ def model():
 
 def scale_bandwidth(monkeypatch, factor):
     """Every rate the roofline runs on times `factor`: the copy's on a GPU, the matrix-vector product's on a
-    CPU."""
-    copy_rate, read_rate = hardware.CopyProbe.bandwidth_bytes_per_s, hardware.LinearProbe.read_bytes_per_s
-    monkeypatch.setattr(
-        hardware.CopyProbe, "bandwidth_bytes_per_s", property(lambda p: copy_rate.fget(p) * factor)
-    )
-    monkeypatch.setattr(
-        hardware.LinearProbe, "read_bytes_per_s", property(lambda p: read_rate.fget(p) * factor)
-    )
+    CPU; the fastest of the sweep and each round's alike (both go through `bandwidth_at` and `read_rate_at`)."""
+    copy_rate, read_rate = hardware.CopyProbe.bandwidth_at, hardware.LinearProbe.read_rate_at
+    monkeypatch.setattr(hardware.CopyProbe, "bandwidth_at", lambda p, s: copy_rate(p, s) * factor)
+    monkeypatch.setattr(hardware.LinearProbe, "read_rate_at", lambda p, s: read_rate(p, s) * factor)
 
 
 def run(model, caught_by):

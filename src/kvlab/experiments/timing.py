@@ -576,9 +576,9 @@ def sweep_decode(
         per_round.append(
             replace(
                 peak,
-                bandwidth_bytes_per_s=2 * probe.nbytes / copy_s,
-                flops=2 * matmul.n**3 / matmul_s,
-                weight_read_bytes_per_s=reads[1].nbytes / read_s[1] if on_cpu else None,
+                bandwidth_bytes_per_s=probe.bandwidth_at(copy_s),
+                flops=matmul.flops_at(matmul_s),
+                weight_read_bytes_per_s=reads[1].read_rate_at(read_s[1]) if on_cpu else None,
             )
         )
 

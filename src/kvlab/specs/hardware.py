@@ -510,10 +510,14 @@ class CopyProbe(_CopyProbe):
         self.src = torch.ones(size_bytes // 4, dtype=torch.float32, device=self.device)
         self.dst = torch.empty_like(self.src)
 
+    def bandwidth_at(self, seconds: float) -> float:
+        """Bytes read + written per second by a copy that took `seconds` (STREAM's count: 2 × the buffer)."""
+        return 2 * self.nbytes / seconds
+
     @property
     def bandwidth_bytes_per_s(self) -> float:
-        """Bytes read + written over the fastest copy timed so far (STREAM's count: 2 × the buffer)."""
-        return 2 * self.nbytes / self.fastest_s()
+        """`bandwidth_at` the fastest copy timed so far."""
+        return self.bandwidth_at(self.fastest_s())
 
 
 class LinearProbe(_Probe):
@@ -549,10 +553,14 @@ class LinearProbe(_Probe):
 
         return [F.linear(self.inputs[int(w.shape[1])], w) for w in self.weights]
 
+    def read_rate_at(self, seconds: float) -> float:
+        """Weight bytes per second of a pass that took `seconds`."""
+        return self.nbytes / seconds
+
     @property
     def read_bytes_per_s(self) -> float:
-        """Weight bytes over the fastest pass timed so far."""
-        return self.nbytes / self.fastest_s()
+        """`read_rate_at` the fastest pass timed so far."""
+        return self.read_rate_at(self.fastest_s())
 
 
 def linear_weights(
@@ -643,10 +651,14 @@ class MatmulProbe(_Probe):
     def run(self) -> object:
         return self.a @ self.b
 
+    def flops_at(self, seconds: float) -> float:
+        """2n³ FLOP over `seconds`, one matmul's time."""
+        return 2 * self.n**3 / seconds
+
     @property
     def flops(self) -> float:
-        """2n³ FLOP over the fastest matmul timed so far."""
-        return 2 * self.n**3 / self.fastest_s()
+        """`flops_at` the fastest matmul timed so far."""
+        return self.flops_at(self.fastest_s())
 
 
 def measure(
