@@ -9,8 +9,8 @@ Each run is one `timing.sweep_decode` of the lab's CPU model and points (the lab
 by the lab's check (`timing.check_context_growth` or `timing.check_roofline`), one attempt with no retry. Per
 batch-1 context it records the work ratio, (fastest step - overhead) / predicted work, over the whole sweep;
 and per round and context the paired one, each round's steps against its own ceilings and hollow steps
-(`DecodeSweep.paired_rows`): what the band (`timing.WORK_BAND`) bounds in their median. A prediction with the bandwidth 2x too high doubles every work
-ratio; 2x too low halves it, so the printed margins say how far each mutation lands outside the band, and the
+(`DecodeSweep.paired_rows`): what the band (`timing.WORK_BAND`) bounds in their median. A prediction with
+the bandwidth 2x too high doubles every work ratio; 2x too low halves it, so the printed margins say how far each mutation lands outside the band, and the
 true one inside.
 `flakiness.py` runs whole labs; this isolates one claim's measurement, 20 attempts in minutes.
 """

@@ -4,7 +4,11 @@ import glob
 import json
 import math
 import re
+import statistics
 from pathlib import Path
+
+from kvlab.experiments.timing import WORK_BAND
+from kvlab.units import format_ceil, format_floor
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,8 +64,6 @@ def test_chapter_17_names_the_statistic_the_link_fit_uses():
 
 def paired_medians(pattern: str) -> list[float]:
     """The paired median work ratio of every attempt in the committed decode-band sweeps matching `pattern`."""
-    import statistics
-
     return [
         statistics.median(run["paired_work_ratios"])
         for path in sorted(glob.glob(str(ROOT / f"benchmarks/results/{pattern}")))
@@ -71,7 +73,7 @@ def paired_medians(pattern: str) -> list[float]:
 
 def span(values: list[float]) -> str:
     """A range rounded outwards, as the pages quote it."""
-    return f"{math.floor(min(values) * 100) / 100:.2f}–{math.ceil(max(values) * 100) / 100:.2f}"
+    return f"{format_floor(min(values), 2)}–{format_ceil(max(values), 2)}"
 
 
 def test_chapters_3_and_4_state_the_paired_work_medians():
@@ -86,7 +88,5 @@ def test_chapters_3_and_4_state_the_paired_work_medians():
     zh4 = (ROOT / "book/zh/04_bandwidth_bound.md").read_text()
     assert f"计算时间比值的中位数在 {span(ch4)} 之间" in zh4
     # none of them a 2x wrong roofline could pass: doubled above the band, halved below it
-    from kvlab.experiments.timing import WORK_BAND
-
     low, high = WORK_BAND
     assert all(2 * m > high and m / 2 < low and low <= m <= high for m in ch3 + ch4)

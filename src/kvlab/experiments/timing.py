@@ -455,8 +455,8 @@ def work_band(
     band: tuple[float, float] = WORK_BAND,
 ) -> Check:
     """The median work ratio of `rows` (`median_work_ratio`; the labs pass `DecodeSweep.paired_rows`) within
-    `band`: what rejects a roofline 2x wrong either way, so a band 2x wide or wider is refused. On a GPU with no work-bound row, the check says so and
-    holds (the regime line reports it)."""
+    `band`: what rejects a roofline 2x wrong either way, so a band 2x wide or wider is refused. On a GPU with no
+    work-bound row, the check says so and holds (the regime line reports it)."""
     low, high = band
     if not 0 < low < high < 2 * low:
         raise ValueError(
